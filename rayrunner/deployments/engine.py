@@ -1,0 +1,92 @@
+"""The engine interface a model deployment drives, and the events it yields.
+
+An engine owns the weights of one model inside one replica. The deployment turns the engine's events into OpenAI
+objects; only the router speaks HTTP. Engines are built by `build_engine` from a `ModelSpec`, and tests may build
+one directly without Ray.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayrunner.errors import UnsupportedRequestError
+from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings, already resolved (defaults applied, limits checked)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class GenerationEvent:
+    """One step of a generation.
+
+    Rules: an engine yields zero or more events with `text` (the new text only, never repeated), then exactly one
+    final event with `finish_reason` set (`stop` or `length`) and the token counts and timings filled in. The final
+    event may carry text too. On failure the engine raises instead of yielding.
+    """
+
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_time_s: float = 0.0
+    completion_time_s: float = 0.0
+
+
+@dataclass
+class EmbeddingResult:
+    vectors: list[list[float]]
+    prompt_tokens: int
+
+
+@dataclass
+class EngineInfo:
+    """What the replica actually loaded, for `GET /v1/models/{model}`."""
+
+    kind: str
+    device: str
+    dtype: str
+    weight_bytes: int
+    quantization: dict[str, Any] | None = None
+    load_time_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(ABC):  # noqa: B024 - every method has a default that refuses the request kind
+    """One loaded model. Subclasses override the request kinds they serve; the others refuse with a 400."""
+
+    kind: str = "text"
+
+    def info(self) -> EngineInfo:
+        raise NotImplementedError
+
+    def chat(self, request: ChatCompletionRequest, params: SamplingParams) -> AsyncIterator[GenerationEvent]:
+        """Generate the assistant reply to `request.messages` (events as documented on GenerationEvent)."""
+        raise UnsupportedRequestError(f"this is a {self.kind} model: it does not serve chat completions")
+
+    def complete(self, request: CompletionRequest, params: SamplingParams) -> AsyncIterator[GenerationEvent]:
+        """Continue `request.prompt` as plain text."""
+        raise UnsupportedRequestError(f"this is a {self.kind} model: it does not serve text completions")
+
+    async def embed(self, texts: list[str]) -> EmbeddingResult:
+        """One vector per text, in order."""
+        raise UnsupportedRequestError(f"this is a {self.kind} model: it does not serve embeddings")
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the engine holds (threads, GPU memory). Weights go with the replica process."""

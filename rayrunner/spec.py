@@ -1,0 +1,95 @@
+"""The full load spec of one model: what to load (`Which`), how to quantize it, and how to run it.
+
+The registry stores exactly this, so an unloaded model can be rebuilt with the same settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from rayrunner.errors import InvalidSpecError
+from rayrunner.protocol import DEFAULT_MODEL
+from rayrunner.which import Which, WhichSpec
+
+
+class EngineSettings(BaseModel):
+    """How a model's replica runs: placement, batching and request limits."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto`: cuda when the replica has a GPU.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved by each replica.")
+    num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each replica (fractional is fine).")
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: CPU count).")
+    max_batch_size: int = Field(8, ge=1, description="Most requests generated together in one batch.")
+    batch_wait_ms: float = Field(5.0, ge=0, description="How long a new batch waits for companions.")
+    max_seq_len: int | None = Field(None, ge=1, description="Prompt + completion token limit.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none.")
+    chat_template: str | None = Field(None, description="Jinja chat template overriding the model's.")
+    max_ongoing_requests: int = Field(64, ge=1, description="Requests one replica accepts at once.")
+    graceful_shutdown_timeout_s: float = Field(60.0, ge=0, description="How long unload waits for requests.")
+    image_url_allowlist: list[str] = Field(
+        default_factory=list, description="URL prefixes from which remote images may be fetched (default none)."
+    )
+    max_image_bytes: int = Field(10 * 1024 * 1024, ge=1, description="Largest image accepted.")
+    image_fetch_timeout_s: float = Field(10.0, gt=0, description="Time limit for fetching a remote image.")
+
+
+class ModelSpec(BaseModel):
+    """Everything needed to (re)load one model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: str = Field(min_length=1, description="The id requests use; may contain `/`.")
+    which: WhichSpec
+    in_situ_quant: str | None = Field(None, description="ISQ name such as `Q4K` or `Q8_0`.")
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+
+    @field_validator("model_id")
+    @classmethod
+    def _not_reserved(cls, value: str) -> str:
+        if value == DEFAULT_MODEL:
+            raise ValueError("`default` is reserved")
+        return value
+
+    @field_validator("in_situ_quant")
+    @classmethod
+    def _valid_isq(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        from rayrunner.quantization import parse_isq
+
+        return parse_isq(value).name
+
+    @property
+    def kind(self) -> str:
+        return self.which.kind
+
+    @property
+    def app_name(self) -> str:
+        """Serve application name: readable, unique per id, and safe in URLs."""
+        return model_app_name(self.model_id)
+
+
+def model_app_name(model_id: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", model_id).strip("-")[:40] or "model"
+    digest = hashlib.sha1(model_id.encode()).hexdigest()[:6]
+    return f"model-{slug}-{digest}"
+
+
+def build_spec(
+    model_id: str, which: Any, in_situ_quant: str | None = None, engine: dict[str, Any] | None = None
+) -> ModelSpec:
+    """A validated spec from loose parts; every problem is an `InvalidSpecError` (HTTP 400)."""
+    parsed = Which.parse(which)
+    try:
+        return ModelSpec(model_id=model_id, which=parsed, in_situ_quant=in_situ_quant, engine=engine or {})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise InvalidSpecError(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}", param=str(err["loc"][0])
+        ) from None

@@ -1,0 +1,108 @@
+"""`Which` descriptors: what to load, mirroring mistral.rs's `Which.Plain(...)`, `Which.GGUF(...)`, ...
+
+Each descriptor is a pydantic model with a `type` tag, so the same value travels through Python, YAML
+(`serve_config.yaml`) and JSON (`POST /v1/models/add`) unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+from rayrunner.architectures import Architecture, EmbeddingArchitecture, MultimodalArchitecture
+from rayrunner.errors import InvalidSpecError
+
+Dtype = Literal["auto", "bf16", "f16", "f32"]
+
+
+class _Which(BaseModel):
+    """Common fields. The first field may also be given positionally, as in mistral.rs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+    _positional: ClassVar[str] = "model_id"
+    kind: ClassVar[Literal["text", "multimodal", "embedding"]] = "text"
+
+    dtype: Dtype = Field("auto", description="Weights dtype; `auto` = bf16 on CPU and GPU, or the config's.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    hf_cache_path: str | None = Field(None, description="Hugging Face cache folder to read hub ids from.")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if len(args) > 1:
+            raise TypeError(f"{type(self).__name__} takes at most one positional argument")
+        if args:
+            kwargs[self._positional] = args[0]
+        super().__init__(**kwargs)
+
+    @field_validator("arch", mode="before", check_fields=False)
+    @classmethod
+    def _parse_arch(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        enum_type = cls.model_fields["arch"].annotation.__args__[0]  # type: ignore[union-attr]
+        return enum_type.parse(value)
+
+    @property
+    def source(self) -> str:
+        """Where the weights come from: local folder, hub id, builtin name or GGUF location."""
+        return str(getattr(self, self._positional))
+
+
+class Plain(_Which):
+    type: Literal["plain"] = "plain"
+    model_id: str = Field(description="Local folder, hub id, or builtin name (e.g. `smollm2-135m-instruct`).")
+    arch: Architecture | None = None
+    tokenizer_json: str | None = Field(None, description="A tokenizer.json or folder to use instead.")
+
+
+class MultimodalPlain(_Which):
+    type: Literal["multimodal_plain"] = "multimodal_plain"
+    kind: ClassVar[Literal["text", "multimodal", "embedding"]] = "multimodal"
+    model_id: str
+    arch: MultimodalArchitecture | None = None
+
+
+class Embedding(_Which):
+    type: Literal["embedding"] = "embedding"
+    kind: ClassVar[Literal["text", "multimodal", "embedding"]] = "embedding"
+    model_id: str = Field(description="Local folder, hub id, or builtin name (e.g. `all-minilm-l6-v2`).")
+    arch: EmbeddingArchitecture | None = None
+
+
+class GGUF(_Which):
+    type: Literal["gguf"] = "gguf"
+    _positional: ClassVar[str] = "quantized_model_id"
+    quantized_model_id: str = Field(description="Folder or hub id holding the GGUF file, or the file itself.")
+    quantized_filename: str | None = Field(None, description="GGUF file name inside `quantized_model_id`.")
+    tok_model_id: str | None = Field(None, description="Where to take the tokenizer from (default: the GGUF).")
+    arch: Architecture | None = None
+
+
+WhichSpec = Annotated[Plain | MultimodalPlain | Embedding | GGUF, Field(discriminator="type")]
+_ADAPTER: TypeAdapter[Plain | MultimodalPlain | Embedding | GGUF] = TypeAdapter(WhichSpec)
+
+
+class Which:
+    """Namespace of the descriptors: `Which.Plain(...)`, `Which.GGUF(...)`, ..."""
+
+    Plain = Plain
+    MultimodalPlain = MultimodalPlain
+    Embedding = Embedding
+    GGUF = GGUF
+
+    @staticmethod
+    def parse(value: Any) -> Plain | MultimodalPlain | Embedding | GGUF:
+        """A descriptor from itself or its dict form; invalid input raises `InvalidSpecError`."""
+        if isinstance(value, _Which):
+            return value  # type: ignore[return-value]
+        try:
+            return _ADAPTER.validate_python(value)
+        except ValidationError as exc:
+            raise InvalidSpecError(f"invalid `which`: {_first_error(exc)}", param="which") from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    hint = " (expected type: plain, multimodal_plain, embedding or gguf)" if "type" in where or not where else ""
+    return f"{where}: {err['msg']}{hint}" if where else err["msg"] + hint
