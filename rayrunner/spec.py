@@ -76,9 +76,12 @@ class ModelSpec(BaseModel):
 
 
 def model_app_name(model_id: str) -> str:
+    """The id itself when it is URL-safe (readable in `serve status`), else a slug plus a short hash."""
+    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", model_id):
+        return model_id
     slug = re.sub(r"[^A-Za-z0-9_-]+", "-", model_id).strip("-")[:40] or "model"
     digest = hashlib.sha1(model_id.encode()).hexdigest()[:6]
-    return f"model-{slug}-{digest}"
+    return f"{slug}-{digest}"
 
 
 def build_spec(

@@ -1,0 +1,125 @@
+"""The per-model Serve deployment: one replica holds one engine and answers OpenAI-shaped requests.
+
+It returns plain dicts (and yields dicts when streaming); HTTP status codes and SSE framing are the router's job.
+Errors raised here are rayrunner errors, which the router maps to OpenAI error bodies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from rayrunner.deployments import responses
+from rayrunner.deployments.engine import Engine, SamplingParams
+from rayrunner.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields
+from rayrunner.spec import EngineSettings, ModelSpec
+
+
+def build_engine(spec: ModelSpec) -> Engine:
+    """The engine for the spec's kind (imports are local: a replica loads only what its model needs)."""
+    if spec.kind == "embedding":
+        from rayrunner.deployments.embedding_engine import EmbeddingEngine
+
+        return EmbeddingEngine(spec)
+    if spec.kind == "multimodal":
+        from rayrunner.deployments.multimodal_engine import MultimodalEngine
+
+        return MultimodalEngine(spec)
+    from rayrunner.deployments.text_engine import TextEngine
+
+    return TextEngine(spec)
+
+
+def sampling_params(request: SamplingFields, settings: EngineSettings) -> SamplingParams:
+    """Resolved settings: unset or zero temperature means greedy."""
+    return SamplingParams(
+        max_tokens=request.max_tokens or settings.default_max_tokens,
+        temperature=request.temperature or 0.0,
+        top_p=request.top_p if request.top_p is not None else 1.0,
+        top_k=request.top_k or 0,
+        stop=request.stop_list(),
+        seed=request.seed,
+    )
+
+
+class ModelServer:
+    """Serve replica class: constructed with a spec dict, holds the engine for the replica's lifetime."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = ModelSpec.model_validate(spec)
+        _set_torch_threads(self.spec.engine)
+        self.engine = build_engine(self.spec)
+        self.started_at = time.time()
+
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        request = ChatCompletionRequest.model_validate(body)
+        events = self.engine.chat(request, sampling_params(request, self.spec.engine))
+        return (await responses.chat_response(self.spec.model_id, events)).model_dump()
+
+    async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        request = ChatCompletionRequest.model_validate(body)
+        events = self.engine.chat(request, sampling_params(request, self.spec.engine))
+        async for chunk in responses.chat_chunks(self.spec.model_id, events):
+            yield chunk.model_dump(exclude_none=True)
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        request = CompletionRequest.model_validate(body)
+        events = self.engine.complete(request, sampling_params(request, self.spec.engine))
+        return (await responses.completion_response(self.spec.model_id, events)).model_dump()
+
+    async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        request = CompletionRequest.model_validate(body)
+        events = self.engine.complete(request, sampling_params(request, self.spec.engine))
+        async for chunk in responses.completion_chunks(self.spec.model_id, events):
+            yield chunk.model_dump(exclude_none=True)
+
+    async def embed(self, body: dict[str, Any]) -> dict[str, Any]:
+        request = EmbeddingRequest.model_validate(body)
+        result = await self.engine.embed(request.texts())
+        return responses.embedding_response(self.spec.model_id, result, request.encoding_format).model_dump()
+
+    def info(self) -> dict[str, Any]:
+        """What this replica loaded, plus its pid and start time (for status and tests)."""
+        return {**dataclasses.asdict(self.engine.info()), "pid": os.getpid(), "started_at": self.started_at}
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+
+
+def _set_torch_threads(settings: EngineSettings) -> None:
+    import torch
+
+    threads = settings.torch_threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+
+
+def model_deployment(spec: ModelSpec) -> Application:
+    """The Serve application of one model: a single `ModelServer` deployment placed by the spec's settings."""
+    settings = spec.engine
+    return (
+        serve.deployment(ModelServer)
+        .options(
+            name="ModelServer",
+            num_replicas=1,
+            max_ongoing_requests=settings.max_ongoing_requests,
+            graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
+            graceful_shutdown_wait_loop_s=0.5,
+            max_constructor_retry_count=1,  # a broken model does not heal by retrying; fail fast instead
+            ray_actor_options={"num_cpus": settings.num_cpus, "num_gpus": settings.num_gpus},
+        )
+        .bind(spec.model_dump(mode="json"))
+    )
+
+
+def build_model_app(args: dict[str, Any]) -> Application:
+    """Application builder for config files: `import_path: rayrunner.deployments.model_server:build_model_app`,
+    with the model's spec (`model_id`, `which`, `in_situ_quant`, `engine`) as `args`."""
+    return model_deployment(ModelSpec.model_validate(args))

@@ -1,0 +1,114 @@
+"""Model applications on Ray Serve: deploy, scale to N replicas, wait for a state, delete.
+
+Unload and reload use Serve's external scaling API (`POST /api/v1/applications/{app}/deployments/{dep}/scale`
+on the dashboard): the app, its config and its dashboard entry stay, only the replica goes away or comes back,
+and no other app is touched. A model that has never been deployed (registered with `load: false`, added at runtime,
+or deleted after a failed load) is deployed with `serve.run`, since Serve rejects a deployment of zero replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+
+import httpx
+from ray import serve
+
+from rayrunner.deployments.model_server import model_deployment
+from rayrunner.errors import ModelLoadError, ModelTimeoutError
+from rayrunner.spec import ModelSpec
+
+DEPLOYMENT = "ModelServer"
+_POLL_S = 0.2
+_FAILED = {"DEPLOY_FAILED", "UNHEALTHY"}
+
+
+@dataclass
+class AppState:
+    """What Serve says about one model app right now."""
+
+    exists: bool
+    app_status: str = "NOT_STARTED"
+    deployment_status: str = ""
+    running: int = 0
+    total: int = 0
+    message: str = ""
+
+
+def dashboard_url() -> str:
+    """`$RAYRUNNER_DASHBOARD_URL`, else the address the cluster published for its dashboard."""
+    url = os.environ.get("RAYRUNNER_DASHBOARD_URL")
+    if not url:
+        from ray._private.services import get_webui_url_from_internal_kv
+
+        url = get_webui_url_from_internal_kv()
+    if not url:
+        raise ModelLoadError("the Ray dashboard is not running; rayrunner scales models through it")
+    return url if url.startswith("http") else f"http://{url}"
+
+
+def app_state(app: str) -> AppState:
+    status = serve.status().applications.get(app)
+    if status is None:
+        return AppState(exists=False)
+    deployment = status.deployments.get(DEPLOYMENT)
+    if deployment is None:
+        return AppState(exists=True, app_status=str(status.status.value), message=status.message)
+    states = {str(k.value if hasattr(k, "value") else k): v for k, v in deployment.replica_states.items()}
+    return AppState(
+        exists=True,
+        app_status=str(status.status.value),
+        deployment_status=str(deployment.status.value),
+        running=states.get("RUNNING", 0),
+        total=sum(states.values()),
+        message=deployment.message or status.message,
+    )
+
+
+async def deploy(spec: ModelSpec) -> None:
+    """Deploy the model's app with one replica; returns once Serve reports it running (or raises)."""
+    app = model_deployment(spec)
+    await asyncio.to_thread(serve.run, app, name=spec.app_name, route_prefix=None, external_scaler_enabled=True)
+
+
+async def scale(app: str, replicas: int) -> None:
+    url = f"{dashboard_url()}/api/v1/applications/{app}/deployments/{DEPLOYMENT}/scale"
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(url, json={"target_num_replicas": replicas})
+    if response.status_code >= 300:
+        raise ModelLoadError(f"scaling `{app}` to {replicas} failed: HTTP {response.status_code} {response.text}")
+
+
+async def delete(app: str) -> None:
+    await asyncio.to_thread(serve.delete, app, True)
+
+
+async def wait_loaded(app: str, timeout_s: float) -> None:
+    """Until a replica is RUNNING; a failed start raises ModelLoadError with Serve's message."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = await asyncio.to_thread(app_state, app)
+        if state.running >= 1 and state.deployment_status == "HEALTHY":
+            return
+        if state.deployment_status in _FAILED or state.app_status in _FAILED:
+            raise ModelLoadError(_failure_message(state))
+        if time.monotonic() > deadline:
+            raise ModelTimeoutError(f"model app `{app}` did not start within {timeout_s:.0f} s")
+        await asyncio.sleep(_POLL_S)
+
+
+async def wait_gone(app: str, timeout_s: float) -> None:
+    """Until no replica is left (running or draining): in-flight requests have finished by then."""
+    deadline = time.monotonic() + timeout_s
+    while (await asyncio.to_thread(app_state, app)).total > 0:
+        if time.monotonic() > deadline:
+            raise ModelTimeoutError(f"model app `{app}` still has replicas after {timeout_s:.0f} s")
+        await asyncio.sleep(_POLL_S)
+
+
+def _failure_message(state: AppState) -> str:
+    # Serve's message embeds the replica's traceback; its last line names the real cause.
+    lines = [line.strip() for line in state.message.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else f"deployment is {state.deployment_status}"

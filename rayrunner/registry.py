@@ -1,0 +1,271 @@
+"""The registry: a detached, named Ray actor that owns every model's spec, status, aliases and the default.
+
+Every change to one model runs under that model's lock, so two loads (or a load and an unload) never overlap, and
+is written to the state file before it is acknowledged. Loads are single-flight: concurrent requests for an
+unloaded model all wait on the same load. After a restart the actor reads its file back and checks each model
+against what Serve is actually running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from rayrunner import model_apps
+from rayrunner.errors import (
+    ModelAlreadyLoadedError,
+    ModelAlreadyUnloadedError,
+    ModelLoadError,
+    ModelReloadingError,
+    as_rayrunner_error,
+)
+from rayrunner.registry_state import ModelEntry, ModelRecord, RegistryConfig, RegistryState
+from rayrunner.sources import cache_dir
+from rayrunner.spec import ModelSpec
+
+REGISTRY_NAME = "rayrunner-registry"
+NAMESPACE = "rayrunner"
+
+
+class Registry:
+    def __init__(self, state_path: str | None = None) -> None:
+        self.path = Path(state_path) if state_path else cache_dir() / "registry.json"
+        self.state = RegistryState.load(self.path)
+        self.config = RegistryConfig.model_validate(self.state.settings)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._loads: dict[str, asyncio.Task[None]] = {}
+        self._reconciled = False
+
+    # ------------------------------------------------------------ start-up
+
+    async def bootstrap(self, config: dict[str, Any]) -> None:
+        """Register the config's models that are not known yet, then settle every model against Serve."""
+        self.config = RegistryConfig.model_validate(config)
+        self.state.settings = self.config.model_dump(mode="json", exclude={"models"})
+        fresh = []
+        for entry in self.config.models:
+            if entry.spec.model_id not in self.state.models:
+                self.state.check_new(entry.spec.model_id, entry.aliases)
+                self.state.add(entry.spec, entry.aliases)
+                fresh += [entry.spec.model_id] if entry.load else []
+        if self.config.default_model is not None and self.state.default_id is None:
+            self.state.set_default(self.config.default_model)
+        self._persist()
+        await self._reconcile(set(fresh))
+
+    async def _ensure_reconciled(self) -> None:
+        if not self._reconciled:
+            await self._reconcile(set())
+
+    async def _reconcile(self, to_load: set[str]) -> None:
+        """Make each status match Serve: adopt running apps, wait for starting ones, load new `load: true` ones.
+
+        Models known from an earlier run keep the status the user left them in (an unloaded model stays
+        unloaded across router redeploys)."""
+        self._reconciled = True
+        for model_id, record in self.state.models.items():
+            if model_id in self._loads:
+                continue
+            state = await asyncio.to_thread(model_apps.app_state, record.spec.app_name)
+            if state.running >= 1 and state.deployment_status == "HEALTHY":
+                record.status = "loaded"
+            elif state.exists and state.deployment_status not in ("HEALTHY", "DEPLOY_FAILED", "UNHEALTHY"):
+                self._start_load(record, adopt=True)  # a config deploy or a scale-up is under way
+            elif model_id in to_load:
+                self._start_load(record)
+            else:
+                record.status = "unloaded"
+        self._persist()
+
+    # ------------------------------------------------------------ queries
+
+    async def resolve(self, name: str) -> dict[str, Any]:
+        """Routing facts for an id, alias or `default`."""
+        await self._ensure_reconciled()
+        model_id = self.state.resolve(name)
+        record = self.state.models[model_id]
+        return {"model_id": model_id, "app_name": record.spec.app_name, "status": record.status,
+                "kind": record.spec.kind}
+
+    async def cards(self) -> list[dict[str, Any]]:
+        await self._ensure_reconciled()
+        return [self._card(mid) for mid in self.state.models]
+
+    async def card(self, name: str) -> dict[str, Any]:
+        await self._ensure_reconciled()
+        return self._card(self.state.resolve(name))
+
+    async def status(self, name: str) -> str:
+        await self._ensure_reconciled()
+        return self.state.record(name).status
+
+    async def default_id(self) -> str | None:
+        return self.state.default_id
+
+    def _card(self, model_id: str) -> dict[str, Any]:
+        record = self.state.models[model_id]
+        is_default = model_id == self.state.default_id
+        return {**record.model_dump(mode="json"), "model_id": model_id, "kind": record.spec.kind, "is_default": is_default}
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def ensure_loaded(self, name: str) -> str:
+        """Auto-reload: return once the model is loaded, joining a load already under way."""
+        await self._ensure_reconciled()
+        record = self.state.record(name)
+        if record.status != "loaded":
+            await asyncio.shield(self._loads.get(record.spec.model_id) or self._start_load(record))
+        return record.spec.model_id
+
+    async def reload(self, name: str) -> dict[str, Any]:
+        await self._ensure_reconciled()
+        record = self.state.record(name)
+        if record.status == "loaded":
+            raise ModelAlreadyLoadedError(record.spec.model_id)
+        if record.status == "reloading" or record.spec.model_id in self._loads:
+            raise ModelReloadingError(record.spec.model_id)
+        await asyncio.shield(self._start_load(record))
+        return self._card(record.spec.model_id)
+
+    async def unload(self, name: str) -> dict[str, Any]:
+        await self._ensure_reconciled()
+        record = self.state.record(name)
+        model_id = record.spec.model_id
+        if record.status == "reloading":
+            raise ModelReloadingError(model_id)
+        if record.status == "unloaded":
+            raise ModelAlreadyUnloadedError(model_id)
+        async with self._lock(model_id):
+            record.status = "unloaded"
+            self.state.move_default_from(model_id)
+            self._persist()
+            await model_apps.scale(record.spec.app_name, 0)
+            await model_apps.wait_gone(record.spec.app_name, self.config.unload_timeout_s)
+            record.info = {}
+            self._persist()
+        return self._card(model_id)
+
+    async def add(self, entry: dict[str, Any]) -> dict[str, Any]:
+        await self._ensure_reconciled()
+        parsed = ModelEntry.model_validate(entry)
+        self.state.check_new(parsed.spec.model_id, parsed.aliases)
+        record = self.state.add(parsed.spec, parsed.aliases)
+        self._persist()
+        if parsed.load:
+            await asyncio.shield(self._start_load(record))
+        return self._card(parsed.spec.model_id)
+
+    async def remove(self, name: str) -> dict[str, Any]:
+        await self._ensure_reconciled()
+        model_id = self.state.resolve(name)
+        async with self._lock(model_id):
+            record = self.state.models[model_id]
+            if record.status == "reloading":
+                raise ModelReloadingError(model_id)
+            await model_apps.delete(record.spec.app_name)
+            self.state.remove(model_id)
+            self._persist()
+        return {"model_id": model_id, "removed": True}
+
+    async def set_default(self, name: str) -> dict[str, Any]:
+        await self._ensure_reconciled()
+        model_id = self.state.set_default(name)
+        self._persist()
+        return self._card(model_id)
+
+    async def add_alias(self, model_id: str, alias: str) -> dict[str, Any]:
+        await self._ensure_reconciled()
+        resolved = self.state.resolve(model_id)
+        self.state.add_alias(resolved, alias)
+        self._persist()
+        return self._card(resolved)
+
+    # ------------------------------------------------------------ internals
+
+    def _lock(self, model_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(model_id, asyncio.Lock())
+
+    def _start_load(self, record: ModelRecord, adopt: bool = False) -> asyncio.Task[None]:
+        """Mark the model `reloading` now (so later callers join), and load it in a task."""
+        model_id = record.spec.model_id
+        record.status = "reloading"
+        self._persist()
+        task = asyncio.get_running_loop().create_task(self._load(record, adopt))
+        self._loads[model_id] = task
+        task.add_done_callback(lambda done: self._forget_load(model_id, done))
+        return task
+
+    def _forget_load(self, model_id: str, task: asyncio.Task[None]) -> None:
+        self._loads.pop(model_id, None)
+        if not task.cancelled():
+            task.exception()  # retrieved here: a failed load is reported to its waiters and in `last_error`
+
+    async def _load(self, record: ModelRecord, adopt: bool) -> None:
+        spec = record.spec
+        async with self._lock(spec.model_id):
+            try:
+                if not adopt:
+                    await self._bring_up(spec)
+                await model_apps.wait_loaded(spec.app_name, self.config.load_timeout_s)
+                record.info = await _replica_info(spec.app_name)
+            except Exception as exc:
+                await self._fail_load(record, exc)
+                raise ModelLoadError(record.last_error or str(exc)) from None
+            record.status = "loaded"
+            record.loaded_at = time.time()
+            record.last_error = None
+            record.load_count += 1
+            if self.state.default_id is None or self.state.models[self.state.default_id].status != "loaded":
+                self.state.default_id = self.state.default_id or spec.model_id
+            self._persist()
+
+    async def _bring_up(self, spec: ModelSpec) -> None:
+        state = await asyncio.to_thread(model_apps.app_state, spec.app_name)
+        if state.exists and state.deployment_status not in ("DEPLOY_FAILED", "UNHEALTHY"):
+            await model_apps.scale(spec.app_name, 1)
+        else:
+            await model_apps.deploy(spec)
+
+    async def _fail_load(self, record: ModelRecord, exc: BaseException) -> None:
+        """Never leave a model stuck: back to `unloaded`, the cause in `last_error`, no half-started app."""
+        error = as_rayrunner_error(exc)
+        record.status = "unloaded"
+        record.last_error = ModelLoadError(error.message).message
+        record.info = {}
+        self._persist()
+        # The app may never have been created; the record is already consistent either way.
+        with contextlib.suppress(Exception):
+            await model_apps.delete(record.spec.app_name)
+
+    def _persist(self) -> None:
+        self.state.save(self.path)
+
+
+async def _replica_info(app: str) -> dict[str, Any]:
+    from ray import serve
+
+    handle = serve.get_deployment_handle(model_apps.DEPLOYMENT, app_name=app)
+    result: dict[str, Any] = await handle.info.remote()
+    return result
+
+
+RegistryActor = ray.remote(Registry)
+
+
+def get_registry(state_path: str | None = None) -> Any:
+    """The registry actor: created detached on first use, found by name afterwards (it outlives redeploys)."""
+    return RegistryActor.options(  # type: ignore[attr-defined]
+        name=REGISTRY_NAME,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        max_restarts=-1,
+        max_task_retries=0,
+        num_cpus=0,
+        max_concurrency=1000,
+    ).remote(state_path)

@@ -1,0 +1,234 @@
+"""The router deployment: FastAPI ingress at `/` for the OpenAI and admin APIs, plus Python methods for handles.
+
+Route functions only parse, delegate to `RouterService`, and shape JSON or SSE; every error becomes an OpenAI
+error body through `rayrunner.errors`.
+"""
+
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from ray.serve import Application
+
+from rayrunner.errors import InvalidRequestError, RayRunnerError, as_rayrunner_error
+from rayrunner.protocol import (
+    AddModelBody,
+    AliasBody,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ModelIdBody,
+)
+from rayrunner.registry_state import RegistryConfig
+from rayrunner.router import cards
+from rayrunner.router.service import _GENERATES, RouterService
+
+B = TypeVar("B", bound=BaseModel)
+api = FastAPI(title="rayrunner", description="Many models behind one OpenAI-compatible endpoint.")
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    error = as_rayrunner_error(exc)
+    return JSONResponse(error.to_dict(), status_code=error.status)
+
+
+@api.exception_handler(RayRunnerError)
+async def _rayrunner_error(_: Request, exc: RayRunnerError) -> JSONResponse:
+    return error_response(exc)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_response(_invalid(exc.errors()))
+
+
+@api.exception_handler(Exception)
+async def _any_error(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(exc)
+
+
+def _invalid(errors: Any) -> InvalidRequestError:
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    where = ".".join(loc)
+    return InvalidRequestError(f"{where}: {first['msg']}" if where else first["msg"], param=loc[0] if loc else None)
+
+
+async def parse(request: Request, model: type[B]) -> B:
+    """The JSON body as `model`, or a 400 (never FastAPI's 422 shape)."""
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        raise InvalidRequestError("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _invalid(exc.errors()) from None
+
+
+def sse(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def frames() -> AsyncIterator[str]:
+        try:
+            async for item in items:
+                yield f"data: {json.dumps(item)}\n\n"
+        except Exception as exc:  # headers are sent already: report the error in-band, then end the stream
+            yield f"data: {json.dumps(as_rayrunner_error(exc).to_dict())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(frames(), media_type="text/event-stream")
+
+
+@serve.deployment(name="Router", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1})
+@serve.ingress(api)
+class Router:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.service = RouterService(RegistryConfig.model_validate(config))
+
+    async def _started(self) -> RouterService:
+        if not getattr(self, "_bootstrapped", False):
+            await self.service.start()
+            self._bootstrapped = True
+        return self.service
+
+    # ------------------------------------------------------------ OpenAI API (HTTP)
+
+    @api.post("/v1/chat/completions")
+    async def http_chat(self, request: Request) -> Any:
+        body = await parse(request, ChatCompletionRequest)
+        if body.stream:
+            return sse(await self.chat_stream(body.model_dump()))
+        return await self.chat(body.model_dump())
+
+    @api.post("/v1/completions")
+    async def http_complete(self, request: Request) -> Any:
+        body = await parse(request, CompletionRequest)
+        if body.stream:
+            return sse(await self.complete_stream(body.model_dump()))
+        return await self.complete(body.model_dump())
+
+    @api.post("/v1/embeddings")
+    async def http_embed(self, request: Request) -> Any:
+        return await self.embed((await parse(request, EmbeddingRequest)).model_dump())
+
+    @api.get("/health")
+    async def health(self) -> dict[str, str]:
+        await self._started()
+        return {"status": "ok"}
+
+    # ------------------------------------------------------------ admin API (HTTP)
+
+    @api.get("/v1/models")
+    async def http_list(self) -> dict[str, Any]:
+        return {"object": "list", "data": [cards.model_object(c) for c in await self.list_models()]}
+
+    @api.get("/v1/models/default")
+    async def http_default(self) -> dict[str, Any]:
+        return cards.model_object(await self.model_card("default"))
+
+    @api.get("/v1/models/{model:path}")
+    async def http_card(self, model: str) -> dict[str, Any]:
+        return cards.model_object(await self.model_card(model))
+
+    @api.post("/v1/models/status")
+    async def http_status(self, request: Request) -> dict[str, Any]:
+        body = await parse(request, ModelIdBody)
+        return {"model_id": body.model_id, "status": await self.get_model_status(body.model_id)}
+
+    @api.post("/v1/models/unload")
+    async def http_unload(self, request: Request) -> dict[str, Any]:
+        return cards.status_of(await self.unload_model((await parse(request, ModelIdBody)).model_id))
+
+    @api.post("/v1/models/reload")
+    async def http_reload(self, request: Request) -> dict[str, Any]:
+        return cards.status_of(await self.reload_model((await parse(request, ModelIdBody)).model_id))
+
+    @api.post("/v1/models/add", status_code=201)
+    async def http_add(self, request: Request) -> dict[str, Any]:
+        body = await parse(request, AddModelBody)
+        return cards.model_object(await self.add_model(body.model_dump()))
+
+    @api.post("/v1/models/remove")
+    async def http_remove(self, request: Request) -> dict[str, Any]:
+        return await self.remove_model((await parse(request, ModelIdBody)).model_id)
+
+    @api.post("/v1/models/default")
+    async def http_set_default(self, request: Request) -> dict[str, Any]:
+        return cards.model_object(await self.set_default_model_id((await parse(request, ModelIdBody)).model_id))
+
+    @api.post("/v1/models/aliases")
+    async def http_alias(self, request: Request) -> dict[str, Any]:
+        body = await parse(request, AliasBody)
+        return cards.model_object(await self.add_alias(body.model_id, body.alias))
+
+    # ------------------------------------------------------------ Python API (DeploymentHandle)
+
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        body = ChatCompletionRequest.model_validate(body).model_dump()
+        return await (await self._started()).call(body["model"], "chat", body, _GENERATES)
+
+    async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        body = ChatCompletionRequest.model_validate(body).model_dump()
+        return await (await self._started()).stream(body["model"], "chat_stream", body, _GENERATES)
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        body = CompletionRequest.model_validate(body).model_dump()
+        return await (await self._started()).call(body["model"], "complete", body, _GENERATES)
+
+    async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        body = CompletionRequest.model_validate(body).model_dump()
+        return await (await self._started()).stream(body["model"], "complete_stream", body, _GENERATES)
+
+    async def embed(self, body: dict[str, Any]) -> dict[str, Any]:
+        body = EmbeddingRequest.model_validate(body).model_dump()
+        return await (await self._started()).call(body["model"], "embed", body, {"embedding"})
+
+    async def list_models(self) -> list[dict[str, Any]]:
+        return await self._admin("cards")
+
+    async def model_card(self, model: str) -> dict[str, Any]:
+        return await self._admin("card", model)
+
+    async def get_model_status(self, model: str) -> str:
+        return await self._admin("status", model)
+
+    async def get_default_model_id(self) -> str | None:
+        return await self._admin("default_id")
+
+    async def unload_model(self, model: str) -> dict[str, Any]:
+        return await self._admin("unload", model)
+
+    async def reload_model(self, model: str) -> dict[str, Any]:
+        return await self._admin("reload", model)
+
+    async def add_model(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._admin("add", cards.entry_from_add(AddModelBody.model_validate(body)))
+
+    async def remove_model(self, model: str) -> dict[str, Any]:
+        return await self._admin("remove", model)
+
+    async def set_default_model_id(self, model: str) -> dict[str, Any]:
+        return await self._admin("set_default", model)
+
+    async def add_alias(self, model: str, alias: str) -> dict[str, Any]:
+        return await self._admin("add_alias", model, alias)
+
+    async def _admin(self, operation: str, *args: Any) -> Any:
+        try:
+            return await (await self._started()).admin(operation, *args)
+        except Exception as exc:
+            raise as_rayrunner_error(exc) from None
+
+
+def build_router_app(args: dict[str, Any]) -> Application:
+    """Application builder for config files: `import_path: rayrunner.router.app:build_router_app`, with a
+    `RegistryConfig` (models, default_model, state_path, timeouts) as `args`."""
+    config = RegistryConfig.model_validate(args)
+    return Router.bind(config.model_dump(mode="json"))  # type: ignore[attr-defined]

@@ -1,0 +1,42 @@
+"""Shapes of the admin API: registry cards as OpenAI model objects, and add-model bodies as registry entries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rayrunner.protocol import AddModelBody
+from rayrunner.spec import build_spec
+
+
+def model_object(card: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI model object plus rayrunner's fields (status, aliases, default, spec, load facts)."""
+    info = card.get("info") or {}
+    spec = card["spec"]
+    return {
+        "id": card["model_id"],
+        "object": "model",
+        "created": int(card["registered_at"]),
+        "owned_by": "rayrunner",
+        "status": card["status"],
+        "aliases": card["aliases"],
+        "is_default": card["is_default"],
+        "kind": card["kind"],
+        "spec": spec,
+        "loaded_at": card["loaded_at"],
+        "last_error": card["last_error"],
+        "load_count": card["load_count"],
+        "device": info.get("device"),
+        "dtype": info.get("dtype"),
+        "weight_bytes": info.get("weight_bytes"),
+        "quantization": info.get("quantization"),
+    }
+
+
+def status_of(card: dict[str, Any]) -> dict[str, Any]:
+    return {"model_id": card["model_id"], "status": card["status"]}
+
+
+def entry_from_add(body: AddModelBody) -> dict[str, Any]:
+    """A registry entry; the spec is validated here so a bad one is a 400 before anything is registered."""
+    spec = build_spec(body.model_id, body.which, body.in_situ_quant, body.engine)
+    return {"spec": spec.model_dump(mode="json"), "aliases": body.aliases, "load": body.load}

@@ -1,0 +1,107 @@
+"""What the router does, independent of HTTP: resolve a model name, make sure it is loaded, call its deployment.
+
+Both faces of the router use it: the FastAPI routes (HTTP) and the deployment's Python methods (handles).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from rayrunner import model_apps
+from rayrunner.errors import UnsupportedRequestError, as_rayrunner_error
+from rayrunner.registry import get_registry
+from rayrunner.registry_state import RegistryConfig
+
+T = TypeVar("T")
+
+# How often a request stuck behind a zero-replica deployment re-checks whether its model needs a reload.
+_WATCH_S = 2.0
+_GENERATES = {"text", "multimodal"}
+
+
+class RouterService:
+    def __init__(self, config: RegistryConfig) -> None:
+        self.config = config
+        self.registry = get_registry(config.state_path)
+        self._handles: dict[str, DeploymentHandle] = {}
+
+    async def start(self) -> None:
+        await self.registry.bootstrap.remote(self.config.model_dump(mode="json"))
+
+    # ------------------------------------------------------------ inference
+
+    async def call(self, name: str, method: str, body: dict[str, Any], kinds: set[str]) -> dict[str, Any]:
+        """Unary call of `method` on the model named `name`, reloading it first if it is unloaded."""
+        target = await self._ready(name, kinds)
+        handle = self._handle(target["app_name"])
+        result: dict[str, Any] = await self._guard(getattr(handle, method).remote(body), target["model_id"])
+        return result
+
+    async def stream(self, name: str, method: str, body: dict[str, Any], kinds: set[str]) -> AsyncIterator[Any]:
+        """Streaming call. The first item is awaited before returning, so errors surface before any output."""
+        target = await self._ready(name, kinds)
+        handle = self._handle(target["app_name"]).options(stream=True)
+        generator = getattr(handle, method).remote(body)
+        try:
+            first = await self._guard(generator.__anext__(), target["model_id"])
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            generator.cancel()
+            raise
+        return _prepend(first, generator)
+
+    async def _ready(self, name: str, kinds: set[str]) -> dict[str, Any]:
+        target: dict[str, Any] = await self.registry.resolve.remote(name)
+        if target["kind"] not in kinds:
+            wanted = "embeddings" if kinds == {"embedding"} else "generation"
+            raise UnsupportedRequestError(
+                f"model `{target['model_id']}` is a {target['kind']} model and does not serve {wanted}",
+                param="model",
+            )
+        if target["status"] != "loaded":
+            await self.registry.ensure_loaded.remote(target["model_id"])
+        return target
+
+    def _handle(self, app: str) -> DeploymentHandle:
+        if app not in self._handles:
+            self._handles[app] = serve.get_deployment_handle(model_apps.DEPLOYMENT, app_name=app)
+        return self._handles[app]
+
+    async def _guard(self, awaitable: Awaitable[T], model_id: str) -> T:
+        """Await a model call; if the model was unloaded under it (the request then waits for a replica that
+        will not come on its own), trigger the reload it is waiting for."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_WATCH_S)
+                if done:
+                    return task.result()
+                if await self.registry.status.remote(model_id) == "unloaded":
+                    await self.registry.ensure_loaded.remote(model_id)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+
+    # ------------------------------------------------------------ admin
+
+    async def admin(self, operation: str, *args: Any) -> Any:
+        """Forward a registry operation (cards, unload, reload, add, remove, set_default, add_alias, ...)."""
+        return await getattr(self.registry, operation).remote(*args)
+
+
+async def _prepend(first: Any, rest: Any) -> AsyncIterator[Any]:
+    try:
+        if first is not None:
+            yield first
+        async for item in rest:
+            yield item
+    except Exception as exc:
+        raise as_rayrunner_error(exc) from None
+    finally:
+        rest.cancel()
