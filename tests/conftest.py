@@ -1,0 +1,105 @@
+"""Test session set-up: one real local Ray cluster with Serve on its own ports, and helpers to deploy routers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Set before Ray is imported anywhere: no token auth, no usage stats (no network here), normal worker priority.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_worker_niceness", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tests.tiny_models import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A real local Ray cluster (dashboard on, for the scaling API) and Serve on a private HTTP port."""
+    import ray
+    from ray import serve
+
+    env = {k: os.environ[k] for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED", "HF_HUB_OFFLINE")}
+    if os.environ.get("RAYRUNNER_CACHE_DIR"):
+        env["RAYRUNNER_CACHE_DIR"] = os.environ["RAYRUNNER_CACHE_DIR"]
+    dashboard_port, http_port = free_port(), free_port()
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=True,
+        dashboard_port=dashboard_port,
+        runtime_env={"env_vars": env},
+        logging_level="WARNING",
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port}, logging_config={"enable_access_log": False})
+    yield {"http": f"http://127.0.0.1:{http_port}", "state_dir": tmp_path_factory.mktemp("registry")}
+    serve.shutdown()
+    ray.shutdown()
+
+
+class Service:
+    """A router (and its registry) deployed for one test module; torn down with every model app it made."""
+
+    def __init__(self, cluster: dict[str, Any], config: dict[str, Any]) -> None:
+        import httpx
+        from ray import serve
+
+        from rayrunner.router.app import build_router_app
+
+        self.config = config
+        serve.run(build_router_app(config), name="rayrunner", route_prefix="/")
+        self.url = cluster["http"]
+        self.http = httpx.Client(base_url=self.url, timeout=600)
+        self.handle = serve.get_app_handle("rayrunner")
+        assert self.http.get("/health").json() == {"status": "ok"}
+
+    def chat(self, content: str, model: str = "default", **extra: Any) -> Any:
+        body = {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+        return self.http.post("/v1/chat/completions", json=body)
+
+    def card(self, model: str) -> dict[str, Any]:
+        return self.http.get(f"/v1/models/{model}").json()
+
+    def close(self) -> None:
+        import ray
+        from ray import serve
+
+        from rayrunner.registry import NAMESPACE, REGISTRY_NAME
+
+        self.http.close()
+        for app in list(serve.status().applications):
+            serve.delete(app)
+        try:
+            ray.kill(ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE))
+        except ValueError:
+            pass
+
+
+def model_entry(model_id: str, source: str, load: bool = True, aliases: list[str] | None = None,
+                **engine: Any) -> dict[str, Any]:
+    spec = {"model_id": model_id, "which": {"type": "plain", "model_id": source}, "engine": engine}
+    return {"spec": spec, "aliases": aliases or [], "load": load}
+
+
+@pytest.fixture
+def state_path(cluster: dict[str, Any], request: pytest.FixtureRequest) -> str:
+    return str(Path(cluster["state_dir"]) / f"{request.node.name}.json")

@@ -1,0 +1,139 @@
+"""SmolLM2 served end to end: router + model deployment on a real cluster, over real HTTP."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from tests.conftest import Service, model_entry
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def service(cluster: dict[str, Any]) -> Iterator[Service]:
+    config = {
+        "models": [model_entry("smollm2-135m-instruct", "smollm2-135m-instruct", aliases=["smol"])],
+        "state_path": str(cluster["state_dir"] / "e2e.json"),
+    }
+    svc = Service(cluster, config)
+    yield svc
+    svc.close()
+
+
+def sse_events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_greedy_answer_names_paris(service: Service) -> None:
+    response = service.chat(QUESTION, temperature=0, max_tokens=20)
+    assert response.status_code == 200
+    body = response.json()
+    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert body["model"] == "smollm2-135m-instruct"
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stream_joins_to_the_unary_text(service: Service) -> None:
+    unary = service.chat(QUESTION, max_tokens=20).json()["choices"][0]["message"]["content"]
+    streamed = service.chat(QUESTION, max_tokens=20, stream=True)
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(streamed.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    pieces = [c["choices"][0]["delta"].get("content") or "" for c in chunks]
+    assert sum(1 for p in pieces if p) >= 3
+    assert "".join(pieces) == unary
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] >= 3
+
+
+def test_usage_counts_tokens(service: Service) -> None:
+    from transformers import AutoTokenizer
+
+    from rayrunner.sources import resolve
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve("smollm2-135m-instruct").path)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                           tokenize=False)
+    expected_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    body = service.chat(QUESTION, max_tokens=4).json()
+    usage = body["usage"]
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert usage["prompt_tokens"] == expected_prompt
+    assert usage["completion_tokens"] == 4
+    assert usage["total_tokens"] == expected_prompt + 4
+    assert usage["total_time_sec"] > 0 and usage["avg_tok_per_sec"] > 0
+    assert len(tokenizer(body["choices"][0]["message"]["content"], add_special_tokens=False)["input_ids"]) <= 5
+
+
+def test_stop_string_cuts_the_text(service: Service) -> None:
+    body = service.chat(QUESTION, max_tokens=20, stop=["Paris"]).json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert "Paris" not in body["choices"][0]["message"]["content"]
+    assert body["choices"][0]["message"]["content"].startswith("The capital of France is")
+
+
+def test_text_completion(service: Service) -> None:
+    body = service.http.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 5}).json()
+    assert body["object"] == "text_completion"
+    assert body["usage"]["completion_tokens"] == 5
+    assert body["choices"][0]["text"]
+
+
+def test_models_listing_and_card(service: Service) -> None:
+    listing = service.http.get("/v1/models").json()
+    assert listing["object"] == "list"
+    (card,) = [m for m in listing["data"] if m["id"] == "smollm2-135m-instruct"]
+    assert card["status"] == "loaded" and card["aliases"] == ["smol"] and card["is_default"]
+    assert service.card("smol")["id"] == "smollm2-135m-instruct"
+    assert service.card("default")["weight_bytes"] > 100_000_000
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404, "model_not_found"),
+        ({"messages": "hello"}, 400, "invalid_request"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "invalid_request"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "invalid_request"),
+        ({"messages": []}, 400, "invalid_request"),
+    ],
+)
+def test_bad_requests_get_openai_errors(service: Service, body: dict[str, Any], status: int, code: str) -> None:
+    response = service.http.post("/v1/chat/completions", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["code"] == code and error["message"] and error["type"]
+
+
+def test_malformed_json_is_a_400(service: Service) -> None:
+    response = service.http.post("/v1/chat/completions", content=b"{not json",
+                                 headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_request"
+
+
+def test_eight_concurrent_requests_succeed(service: Service) -> None:
+    questions = [f"Count from 1 to {n}." for n in range(1, 9)]
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda q: service.chat(q, max_tokens=12), questions))
+    assert [r.status_code for r in responses] == [200] * 8
+    assert all(r.json()["choices"][0]["message"]["content"] for r in responses)
+
+
+def test_openai_sdk_chat_and_stream(service: Service) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{service.url}/v1", api_key="none")
+    reply = client.chat.completions.create(model="default", messages=[{"role": "user", "content": QUESTION}],
+                                           max_tokens=20, temperature=0)
+    assert "Paris" in (reply.choices[0].message.content or "")
+    stream = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": QUESTION}],
+                                            max_tokens=20, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == reply.choices[0].message.content
