@@ -81,8 +81,10 @@ def load_model(spec: ModelSpec, auto_class: Any, with_processor: bool = False) -
     device = pick_device(spec.engine.device)
     dtype = pick_dtype(spec.which.dtype)
     try:
+        # Weights are read into the replica's own memory rather than memory-mapped, so the memory a model uses
+        # is accounted to its replica and really freed when the replica exits on unload.
         model = auto_class.from_pretrained(
-            source.path, gguf_file=source.gguf_file, dtype=dtype, device_map=device, low_cpu_mem_usage=True
+            source.path, gguf_file=source.gguf_file, dtype=dtype, device_map=device, disable_mmap=True
         )
         model.eval()
         if source.gguf_file is not None:

@@ -1,9 +1,10 @@
-"""Model applications on Ray Serve: deploy, scale to N replicas, wait for a state, delete.
+"""Model applications on Ray Serve: deploy, scale to zero, wait for a state, delete.
 
-Unload and reload use Serve's external scaling API (`POST /api/v1/applications/{app}/deployments/{dep}/scale`
-on the dashboard): the app, its config and its dashboard entry stay, only the replica goes away or comes back,
-and no other app is touched. A model that has never been deployed (registered with `load: false`, added at runtime,
-or deleted after a failed load) is deployed with `serve.run`, since Serve rejects a deployment of zero replicas.
+Unload uses Serve's external scaling API (`POST /api/v1/applications/{app}/deployments/{dep}/scale` on the
+dashboard): the replica drains and exits, while the app, its config and its dashboard entry stay and no other app
+is touched. Reload deploys the app again from the saved spec with `serve.run` rather than scaling back up: a new
+deployment version whose constructor fails is reported DEPLOY_FAILED at once, whereas a failing scale-up of the old
+version is retried by Serve without end, which would leave the model stuck in `reloading`.
 """
 
 from __future__ import annotations

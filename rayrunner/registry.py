@@ -225,11 +225,9 @@ class Registry:
             self._persist()
 
     async def _bring_up(self, spec: ModelSpec) -> None:
-        state = await asyncio.to_thread(model_apps.app_state, spec.app_name)
-        if state.exists and state.deployment_status not in ("DEPLOY_FAILED", "UNHEALTHY"):
-            await model_apps.scale(spec.app_name, 1)
-        else:
-            await model_apps.deploy(spec)
+        # Always a fresh deploy from the saved spec (not a scale-up): Serve reports a broken constructor of a new
+        # deployment version as DEPLOY_FAILED at once, while a failing scale-up of an old one retries forever.
+        await asyncio.wait_for(model_apps.deploy(spec), self.config.load_timeout_s)
 
     async def _fail_load(self, record: ModelRecord, exc: BaseException) -> None:
         """Never leave a model stuck: back to `unloaded`, the cause in `last_error`, no half-started app."""

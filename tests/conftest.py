@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import warnings
 from collections.abc import Iterator
@@ -20,9 +21,16 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free port between Ray's worker ports (10002-19999) and the kernel's ephemeral range, which Ray's own
+    processes draw from after this check."""
+    for port in random.sample(range(20000, 30000), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found")
 
 
 @pytest.fixture(scope="session")
