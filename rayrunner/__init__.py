@@ -1,0 +1,42 @@
+"""rayrunner: many LLMs behind one OpenAI-compatible endpoint on Ray Serve, loaded and unloaded on demand."""
+
+from rayrunner.architectures import Architecture, EmbeddingArchitecture, MultimodalArchitecture
+from rayrunner.client import MultiModelBuilder, Runner
+from rayrunner.errors import (
+    AliasConflictError,
+    InvalidRequestError,
+    InvalidSpecError,
+    ModelAlreadyLoadedError,
+    ModelAlreadyUnloadedError,
+    ModelExistsError,
+    ModelLoadError,
+    ModelNotFoundError,
+    ModelReloadingError,
+    RayRunnerError,
+    UnsupportedRequestError,
+)
+from rayrunner.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from rayrunner.which import Which
+
+__all__ = [
+    "AliasConflictError",
+    "Architecture",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "EmbeddingArchitecture",
+    "EmbeddingRequest",
+    "InvalidRequestError",
+    "InvalidSpecError",
+    "ModelAlreadyLoadedError",
+    "ModelAlreadyUnloadedError",
+    "ModelExistsError",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "ModelReloadingError",
+    "MultiModelBuilder",
+    "MultimodalArchitecture",
+    "RayRunnerError",
+    "Runner",
+    "UnsupportedRequestError",
+    "Which",
+]

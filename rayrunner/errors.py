@@ -121,15 +121,15 @@ class EngineError(RayRunnerError):
 
 
 def unwrap(exc: BaseException) -> BaseException:
-    """Dig the original rayrunner error out of Ray's wrappers (`RayTaskError` keeps it as `.cause`)."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, RayRunnerError):
+    """Dig the original error out of Ray's wrappers. `RayTaskError(X)` subclasses X too, so its `.cause` (the
+    original) is followed before any isinstance check."""
+    current: BaseException = exc
+    for _ in range(16):
+        cause = getattr(current, "cause", None)
+        if not isinstance(cause, BaseException):
             return current
-        seen.add(id(current))
-        current = getattr(current, "cause", None) or current.__cause__
-    return exc
+        current = cause
+    return current
 
 
 def as_rayrunner_error(exc: BaseException) -> RayRunnerError:

@@ -71,7 +71,11 @@ def app_state(app: str) -> AppState:
 async def deploy(spec: ModelSpec) -> None:
     """Deploy the model's app with one replica; returns once Serve reports it running (or raises)."""
     app = model_deployment(spec)
-    await asyncio.to_thread(serve.run, app, name=spec.app_name, route_prefix=None, external_scaler_enabled=True)
+    try:
+        await asyncio.to_thread(serve.run, app, name=spec.app_name, route_prefix=None, external_scaler_enabled=True)
+    except RuntimeError:
+        # serve.run only says "failed to update the deployments"; the deployment's status has the real cause.
+        raise ModelLoadError(_failure_message(await asyncio.to_thread(app_state, spec.app_name))) from None
 
 
 async def scale(app: str, replicas: int) -> None:

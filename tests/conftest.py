@@ -88,18 +88,23 @@ class Service:
         return self.http.get(f"/v1/models/{model}").json()
 
     def close(self) -> None:
-        import ray
-        from ray import serve
-
-        from rayrunner.registry import NAMESPACE, REGISTRY_NAME
-
         self.http.close()
-        for app in list(serve.status().applications):
-            serve.delete(app)
-        try:
-            ray.kill(ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE))
-        except ValueError:
-            pass
+        cleanup_serve()
+
+
+def cleanup_serve() -> None:
+    """Delete every app and the registry, so the next module starts from a clean Serve."""
+    import ray
+    from ray import serve
+
+    from rayrunner.registry import NAMESPACE, REGISTRY_NAME
+
+    for app in list(serve.status().applications):
+        serve.delete(app)
+    try:
+        ray.kill(ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE))
+    except ValueError:
+        pass
 
 
 def model_entry(model_id: str, source: str, load: bool = True, aliases: list[str] | None = None,

@@ -74,6 +74,14 @@ async def parse(request: Request, model: type[B]) -> B:
         raise _invalid(exc.errors()) from None
 
 
+def validated(model: type[B], body: dict[str, Any]) -> dict[str, Any]:
+    """A handle caller's body checked like an HTTP one: invalid input is an InvalidRequestError."""
+    try:
+        return model.model_validate(body).model_dump()
+    except ValidationError as exc:
+        raise _invalid(exc.errors()) from None
+
+
 def sse(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     async def frames() -> AsyncIterator[str]:
         try:
@@ -104,14 +112,14 @@ class Router:
     async def http_chat(self, request: Request) -> Any:
         body = await parse(request, ChatCompletionRequest)
         if body.stream:
-            return sse(await self.chat_stream(body.model_dump()))
+            return sse(await self._open_stream("chat_stream", body.model_dump()))
         return await self.chat(body.model_dump())
 
     @api.post("/v1/completions")
     async def http_complete(self, request: Request) -> Any:
         body = await parse(request, CompletionRequest)
         if body.stream:
-            return sse(await self.complete_stream(body.model_dump()))
+            return sse(await self._open_stream("complete_stream", body.model_dump()))
         return await self.complete(body.model_dump())
 
     @api.post("/v1/embeddings")
@@ -171,24 +179,35 @@ class Router:
     # ------------------------------------------------------------ Python API (DeploymentHandle)
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        body = ChatCompletionRequest.model_validate(body).model_dump()
-        return await (await self._started()).call(body["model"], "chat", body, _GENERATES)
+        return await self._infer("chat", validated(ChatCompletionRequest, body), _GENERATES)
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        body = ChatCompletionRequest.model_validate(body).model_dump()
-        return await (await self._started()).stream(body["model"], "chat_stream", body, _GENERATES)
+        """Streaming chat for handles: call with `handle.options(stream=True).chat_stream.remote(body)`."""
+        async for chunk in await self._open_stream("chat_stream", validated(ChatCompletionRequest, body)):
+            yield chunk
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        body = CompletionRequest.model_validate(body).model_dump()
-        return await (await self._started()).call(body["model"], "complete", body, _GENERATES)
+        return await self._infer("complete", validated(CompletionRequest, body), _GENERATES)
 
     async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        body = CompletionRequest.model_validate(body).model_dump()
-        return await (await self._started()).stream(body["model"], "complete_stream", body, _GENERATES)
+        async for chunk in await self._open_stream("complete_stream", validated(CompletionRequest, body)):
+            yield chunk
 
     async def embed(self, body: dict[str, Any]) -> dict[str, Any]:
-        body = EmbeddingRequest.model_validate(body).model_dump()
-        return await (await self._started()).call(body["model"], "embed", body, {"embedding"})
+        return await self._infer("embed", validated(EmbeddingRequest, body), {"embedding"})
+
+    async def _infer(self, method: str, body: dict[str, Any], kinds: set[str]) -> dict[str, Any]:
+        try:
+            return await (await self._started()).call(body["model"], method, body, kinds)
+        except Exception as exc:
+            raise as_rayrunner_error(exc) from None
+
+    async def _open_stream(self, method: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The model's stream with its first item already received (errors surface here, before any output)."""
+        try:
+            return await (await self._started()).stream(body["model"], method, body, _GENERATES)
+        except Exception as exc:
+            raise as_rayrunner_error(exc) from None
 
     async def list_models(self) -> list[dict[str, Any]]:
         return await self._admin("cards")
@@ -209,7 +228,12 @@ class Router:
         return await self._admin("reload", model)
 
     async def add_model(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._admin("add", cards.entry_from_add(AddModelBody.model_validate(body)))
+        """Body as for `POST /v1/models/add`: model_id, which, in_situ_quant, aliases, load, engine."""
+        return await self.add_model_entry(cards.entry_from_add(AddModelBody.model_validate(body)))
+
+    async def add_model_entry(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """A registry entry: {"spec": ModelSpec, "aliases": [...], "load": bool}."""
+        return await self._admin("add", entry)
 
     async def remove_model(self, model: str) -> dict[str, Any]:
         return await self._admin("remove", model)

@@ -1,0 +1,122 @@
+"""The Python API on a real cluster: mistral.rs's multi-model example step by step, the same operations through a
+DeploymentHandle, wrong use, and many threads sharing one Runner."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from rayrunner import (
+    Architecture,
+    ChatCompletionRequest,
+    ModelAlreadyUnloadedError,
+    ModelLoadError,
+    ModelNotFoundError,
+    Runner,
+    Which,
+)
+from tests.tiny_models import build_tiny_llava, image_data_url
+
+
+@pytest.fixture(scope="module")
+def runner(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Runner]:
+    from tests.conftest import cleanup_serve
+
+    made = Runner(which=Which.Plain(model_id=tiny_llama_dir), in_situ_quant="Q8_0", model_id="text-a",
+                  state_path=str(cluster["state_dir"] / "runner.json"))
+    yield made
+    made.shutdown()
+    cleanup_serve()
+
+
+def ask(content: str, **extra: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": content}], max_tokens=6, **extra)
+
+
+def test_multi_model_example_step_by_step(runner: Runner, tiny_llama_dir: str, tmp_path: Any) -> None:
+    # Construct with Which + in_situ_quant: loaded, quantized, default.
+    assert runner.list_models() == ["text-a"]
+    assert runner.list_models_with_status() == [("text-a", "loaded")]
+    assert runner.get_default_model_id() == "text-a"
+    assert runner.model_card("text-a")["info"]["quantization"]["requested"] == "Q8_0"
+
+    # A second model, then default get/set.
+    runner.add_model("text-b", Which.Plain(model_id=tiny_llama_dir), aliases=("b",))
+    runner.set_default_model_id("b")
+    assert runner.get_default_model_id() == "text-b"
+    assert runner.is_model_loaded("text-a") and runner.is_model_loaded("text-b")
+
+    # Unload then reload, with the status at each step.
+    runner.unload_model("text-a")
+    assert runner.get_model_status("text-a") == "unloaded"
+    assert runner.list_unloaded_models() == ["text-a"]
+    assert runner.list_models() == ["text-b"]
+    runner.reload_model("text-a")
+    assert runner.get_model_status("text-a") == "loaded"
+    assert runner.model_card("text-a")["info"]["quantization"]["requested"] == "Q8_0"  # same ISQ after reload
+
+    # Unary and streaming requests to a chosen model; None routes to the default.
+    reply = runner.send_chat_completion_request(ask("hello"))
+    assert reply.model == "text-b" and reply.usage.completion_tokens == 6
+    chunks = list(runner.send_chat_completion_request(ask("hello", stream=True), model_id="text-a"))
+    assert chunks[0].model == "text-a" and chunks[-1].choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed == runner.send_chat_completion_request(ask("hello"), model_id="text-a").choices[0].message.content
+
+    # A multimodal model beside the text ones.
+    llava = build_tiny_llava(tmp_path / "llava")
+    runner.add_model("vision", Which.MultimodalPlain(model_id=llava))
+    content = [{"type": "text", "text": "What is this?"},
+               {"type": "image_url", "image_url": {"url": image_data_url(Image.new("RGB", (32, 32), "red"))}}]
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": content}], max_tokens=4)
+    answer = runner.send_chat_completion_request(request, model_id="vision")
+    assert answer.model == "vision" and answer.usage.completion_tokens >= 1
+    runner.remove_model("vision")
+    assert "vision" not in dict(runner.list_models_with_status())
+
+
+def test_wrong_use_raises_documented_errors(runner: Runner, tiny_llama_dir: str) -> None:
+    with pytest.raises(ModelNotFoundError, match="model `nope` was not found"):
+        runner.unload_model("nope")
+    with pytest.raises(ValueError, match="not found"):
+        runner.send_chat_completion_request(ask("hi"), model_id="nope")
+    runner.add_model("spare", Which.Plain(model_id=tiny_llama_dir), load=False)
+    with pytest.raises(ModelAlreadyUnloadedError, match="already unloaded"):
+        runner.unload_model("spare")
+    with pytest.raises(ModelLoadError, match="expects model_type `qwen3`"):
+        runner.add_model("wrong-arch", Which.Plain(model_id=tiny_llama_dir, arch=Architecture.Qwen3))
+    assert runner.get_model_status("wrong-arch") == "unloaded"
+    with pytest.raises(ValueError, match="Q4K"):
+        runner.add_model("bad-isq", Which.Plain(model_id=tiny_llama_dir), in_situ_quant="Q7X")
+    runner.remove_model("wrong-arch")
+    runner.remove_model("spare")
+
+
+def test_sixteen_threads_share_one_runner(runner: Runner) -> None:
+    with ThreadPoolExecutor(16) as pool:
+        replies = list(pool.map(lambda i: runner.send_chat_completion_request(ask(f"say {i}"), model_id="text-a"),
+                                range(16)))
+    assert len(replies) == 16 and all(r.choices[0].message.content is not None for r in replies)
+
+
+def test_deployment_handle_offers_the_same_operations(runner: Runner) -> None:
+    from ray import serve
+
+    handle = serve.get_app_handle("rayrunner")
+    statuses = {c["model_id"]: c["status"] for c in handle.list_models.remote().result()}
+    assert statuses["text-a"] == "loaded"
+    handle.unload_model.remote("text-a").result()
+    assert handle.get_model_status.remote("text-a").result() == "unloaded"
+    body = {"model": "text-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    reply = handle.chat.remote(body).result()  # auto-reloads
+    assert reply["model"] == "text-a" and handle.get_model_status.remote("text-a").result() == "loaded"
+    chunks = list(handle.options(stream=True).chat_stream.remote(body))
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    handle.set_default_model_id.remote("text-a").result()
+    assert handle.get_default_model_id.remote().result() == "text-a"
+    with pytest.raises(Exception, match="model `ghost` was not found"):
+        handle.reload_model.remote("ghost").result()
