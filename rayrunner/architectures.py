@@ -17,7 +17,7 @@ class _ArchEnum(str, Enum):
     def __new__(cls, name: str, model_type: str | None) -> _ArchEnum:
         obj = str.__new__(cls, name)
         obj._value_ = name
-        obj.model_type = model_type  # type: ignore[attr-defined]
+        obj.model_type = model_type
         return obj
 
     model_type: str | None

@@ -109,8 +109,8 @@ class Registry:
 
     def _card(self, model_id: str) -> dict[str, Any]:
         record = self.state.models[model_id]
-        is_default = model_id == self.state.default_id
-        return {**record.model_dump(mode="json"), "model_id": model_id, "kind": record.spec.kind, "is_default": is_default}
+        card = record.model_dump(mode="json")
+        return {**card, "model_id": model_id, "kind": record.spec.kind, "is_default": model_id == self.state.default_id}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -257,7 +257,7 @@ RegistryActor = ray.remote(Registry)
 
 def get_registry(state_path: str | None = None) -> Any:
     """The registry actor: created detached on first use, found by name afterwards (it outlives redeploys)."""
-    return RegistryActor.options(  # type: ignore[attr-defined]
+    return RegistryActor.options(
         name=REGISTRY_NAME,
         namespace=NAMESPACE,
         lifetime="detached",

@@ -65,7 +65,7 @@ def _convert_gguf(folder: Path, filename: str, target: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=filename, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=filename)
     # The GGUF weights are dequantized on load; drop the marker so the folder loads as plain bf16.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(str(tmp))

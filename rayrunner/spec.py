@@ -90,7 +90,10 @@ def build_spec(
     """A validated spec from loose parts; every problem is an `InvalidSpecError` (HTTP 400)."""
     parsed = Which.parse(which)
     try:
-        return ModelSpec(model_id=model_id, which=parsed, in_situ_quant=in_situ_quant, engine=engine or {})
+        return ModelSpec(
+            model_id=model_id, which=parsed, in_situ_quant=in_situ_quant,
+            engine=EngineSettings.model_validate(engine or {}),
+        )
     except ValidationError as exc:
         err = exc.errors()[0]
         raise InvalidSpecError(

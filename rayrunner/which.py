@@ -78,8 +78,9 @@ class GGUF(_Which):
     arch: Architecture | None = None
 
 
-WhichSpec = Annotated[Plain | MultimodalPlain | Embedding | GGUF, Field(discriminator="type")]
-_ADAPTER: TypeAdapter[Plain | MultimodalPlain | Embedding | GGUF] = TypeAdapter(WhichSpec)
+AnyWhich = Plain | MultimodalPlain | Embedding | GGUF
+WhichSpec = Annotated[AnyWhich, Field(discriminator="type")]
+_ADAPTER: TypeAdapter[AnyWhich] = TypeAdapter(WhichSpec)
 
 
 class Which:
@@ -91,7 +92,7 @@ class Which:
     GGUF = GGUF
 
     @staticmethod
-    def parse(value: Any) -> Plain | MultimodalPlain | Embedding | GGUF:
+    def parse(value: Any) -> AnyWhich:
         """A descriptor from itself or its dict form; invalid input raises `InvalidSpecError`."""
         if isinstance(value, _Which):
             return value  # type: ignore[return-value]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -101,10 +102,8 @@ def cleanup_serve() -> None:
 
     for app in list(serve.status().applications):
         serve.delete(app)
-    try:
+    with contextlib.suppress(ValueError):  # no registry was started
         ray.kill(ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE))
-    except ValueError:
-        pass
 
 
 def model_entry(model_id: str, source: str, load: bool = True, aliases: list[str] | None = None,

@@ -105,8 +105,7 @@ def model_deployment(spec: ModelSpec) -> Application:
     """The Serve application of one model: a single `ModelServer` deployment placed by the spec's settings."""
     settings = spec.engine
     return (
-        serve.deployment(ModelServer)
-        .options(
+        serve.deployment(
             name="ModelServer",
             num_replicas=1,
             max_ongoing_requests=settings.max_ongoing_requests,
@@ -114,7 +113,7 @@ def model_deployment(spec: ModelSpec) -> Application:
             graceful_shutdown_wait_loop_s=0.5,
             max_constructor_retry_count=1,  # a broken model does not heal by retrying; fail fast instead
             ray_actor_options={"num_cpus": settings.num_cpus, "num_gpus": settings.num_gpus},
-        )
+        )(ModelServer)
         .bind(spec.model_dump(mode="json"))
     )
 

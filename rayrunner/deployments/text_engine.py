@@ -113,7 +113,8 @@ class TextEngine(Engine):
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
-        self.max_seq_len = spec.engine.max_seq_len or getattr(self.model.config, "max_position_embeddings", 4096)
+        config_limit = getattr(self.model.config, "max_position_embeddings", 0)
+        self.max_seq_len = int(spec.engine.max_seq_len or config_limit or 4096)
         settings = spec.engine
         self._batcher = DynamicBatcher(self._run_batch, settings.max_batch_size, settings.batch_wait_ms / 1000)
 

@@ -221,7 +221,10 @@ def test_registry_survives_being_killed(service: Service) -> None:
 
     from rayrunner.registry import NAMESPACE, REGISTRY_NAME
 
-    before = {m["id"]: (m["status"], m["aliases"], m["is_default"]) for m in service.http.get("/v1/models").json()["data"]}
+    def snapshot(data: list[dict[str, Any]]) -> dict[str, Any]:
+        return {m["id"]: (m["status"], m["aliases"], m["is_default"]) for m in data}
+
+    before = snapshot(service.http.get("/v1/models").json()["data"])
     ray.kill(ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE), no_restart=False)
     deadline = time.monotonic() + 60
     while True:
@@ -229,6 +232,6 @@ def test_registry_survives_being_killed(service: Service) -> None:
         if response.status_code == 200 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    after = {m["id"]: (m["status"], m["aliases"], m["is_default"]) for m in response.json()["data"]}
+    after = snapshot(response.json()["data"])
     assert after == before
     assert service.chat("hi", model="a", max_tokens=2).status_code == 200
