@@ -46,7 +46,7 @@ class Registry:
     async def bootstrap(self, config: dict[str, Any]) -> None:
         """Register the config's models that are not known yet, then settle every model against Serve."""
         self.config = RegistryConfig.model_validate(config)
-        self.state.settings = self.config.model_dump(mode="json", exclude={"models"})
+        self.state.settings = self.config.model_dump(mode="json", exclude={"models", "default_model"})
         fresh = []
         for entry in self.config.models:
             if entry.spec.model_id not in self.state.models:

@@ -137,3 +137,17 @@ def test_openai_sdk_chat_and_stream(service: Service) -> None:
                                             max_tokens=20, stream=True)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert text == reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("isq", ["Q8_0", "Q4K"])
+def test_in_situ_quantized_smollm2_still_answers(service: Service, isq: str) -> None:
+    model_id = f"smollm2-{isq.lower()}"
+    which = {"type": "plain", "model_id": "smollm2-135m-instruct"}
+    added = service.http.post("/v1/models/add", json={"model_id": model_id, "which": which, "in_situ_quant": isq})
+    assert added.status_code == 201, added.text
+    card = added.json()
+    assert card["quantization"]["requested"] == isq and card["quantization"]["applied"]
+    assert card["weight_bytes"] < 0.65 * service.card("smollm2-135m-instruct")["weight_bytes"]
+    answer = service.chat(QUESTION, model=model_id, max_tokens=20).json()["choices"][0]["message"]["content"]
+    assert "Paris" in answer
+    assert service.http.post("/v1/models/remove", json={"model_id": model_id}).status_code == 200
