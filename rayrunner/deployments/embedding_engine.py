@@ -16,10 +16,9 @@ from typing import Any, Literal
 import torch
 from transformers import AutoModel
 
-from rayrunner.deployments.engine import EmbeddingResult, Engine, EngineInfo
+from rayrunner.deployments.engine import EmbeddingResult, Engine, EngineInfo, describe
 from rayrunner.errors import ModelLoadError
 from rayrunner.loading import load_model
-from rayrunner.quantization import weight_bytes
 from rayrunner.spec import ModelSpec
 
 BATCH_SIZE = 32
@@ -115,21 +114,12 @@ class EmbeddingEngine(Engine):
         return min(found, self.spec.engine.max_seq_len or found)
 
     def info(self) -> EngineInfo:
-        loaded = self._loaded
-        return EngineInfo(
-            kind=self.kind,
-            device=loaded.device,
-            dtype=loaded.dtype,
-            weight_bytes=weight_bytes(self._model),
-            quantization=loaded.quantization,
-            load_time_s=loaded.load_time_s,
-            extra={
+        return describe(self.kind, self._loaded, {
                 "dimensions": self._model.config.hidden_size,
                 "pooling": self.pooling.mode,
                 "normalize": self.pooling.normalize,
                 "max_length": self.max_length,
-            },
-        )
+            })
 
     async def embed(self, texts: list[str]) -> EmbeddingResult:
         vectors: list[list[float]] = []

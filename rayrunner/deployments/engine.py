@@ -10,10 +10,13 @@ from __future__ import annotations
 from abc import ABC
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rayrunner.errors import UnsupportedRequestError
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from rayrunner.loading import Loaded
 
 
 @dataclass
@@ -66,6 +69,21 @@ class EngineInfo:
     quantization: dict[str, Any] | None = None
     load_time_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def describe(kind: str, loaded: Loaded, extra: dict[str, Any]) -> EngineInfo:
+    """EngineInfo of a loaded model, with its weight bytes measured now (after any quantization)."""
+    from rayrunner.quantization import weight_bytes
+
+    return EngineInfo(
+        kind=kind,
+        device=loaded.device,
+        dtype=loaded.dtype,
+        weight_bytes=weight_bytes(loaded.model),
+        quantization=loaded.quantization,
+        load_time_s=loaded.load_time_s,
+        extra=extra,
+    )
 
 
 class Engine(ABC):  # noqa: B024 - every method has a default that refuses the request kind

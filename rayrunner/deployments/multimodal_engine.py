@@ -17,12 +17,11 @@ import torch
 from PIL import Image
 from transformers import AsyncTextIteratorStreamer, AutoModelForImageTextToText, StoppingCriteria
 
-from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, SamplingParams
+from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, SamplingParams, describe
 from rayrunner.deployments.images import load_images
 from rayrunner.errors import InvalidRequestError
 from rayrunner.loading import load_model
 from rayrunner.protocol import ChatCompletionRequest, ChatMessage, ImagePart
-from rayrunner.quantization import weight_bytes
 from rayrunner.spec import ModelSpec
 
 Conversation = list[dict[str, Any]]
@@ -116,16 +115,7 @@ class MultimodalEngine(Engine):
         self._lock = threading.Lock()
 
     def info(self) -> EngineInfo:
-        loaded = self._loaded
-        return EngineInfo(
-            kind=self.kind,
-            device=loaded.device,
-            dtype=loaded.dtype,
-            weight_bytes=weight_bytes(self._model),
-            quantization=loaded.quantization,
-            load_time_s=loaded.load_time_s,
-            extra={"model_type": self._model.config.model_type},
-        )
+        return describe(self.kind, self._loaded, {"model_type": self._model.config.model_type})
 
     async def chat(self, request: ChatCompletionRequest, params: SamplingParams) -> AsyncIterator[GenerationEvent]:
         conversation, urls = to_conversation(request.messages)

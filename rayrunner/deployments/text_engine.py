@@ -13,11 +13,10 @@ from transformers.generation.streamers import BaseStreamer
 
 from rayrunner.deployments.batching import DynamicBatcher, GenerationJob
 from rayrunner.deployments.detokenizer import Detokenizer
-from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, SamplingParams
+from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, SamplingParams, describe
 from rayrunner.errors import InvalidRequestError, UnsupportedRequestError
 from rayrunner.loading import Loaded, load_model
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
-from rayrunner.quantization import weight_bytes
 from rayrunner.spec import ModelSpec
 
 
@@ -119,15 +118,8 @@ class TextEngine(Engine):
         self._batcher = DynamicBatcher(self._run_batch, settings.max_batch_size, settings.batch_wait_ms / 1000)
 
     def info(self) -> EngineInfo:
-        return EngineInfo(
-            kind=self.kind,
-            device=self.loaded.device,
-            dtype=self.loaded.dtype,
-            weight_bytes=weight_bytes(self.model),
-            quantization=self.loaded.quantization,
-            load_time_s=self.loaded.load_time_s,
-            extra={"max_seq_len": self.max_seq_len, "model_type": self.model.config.model_type},
-        )
+        extra = {"max_seq_len": self.max_seq_len, "model_type": self.model.config.model_type}
+        return describe(self.kind, self.loaded, extra)
 
     def chat(self, request: ChatCompletionRequest, params: SamplingParams) -> AsyncIterator[GenerationEvent]:
         if request.has_images():
