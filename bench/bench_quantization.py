@@ -1,4 +1,4 @@
-"""ISQ benchmark on the builtin SmolLM2: weight bytes, perplexity and load+quantize time per level, on CPU.
+"""ISQ benchmark on the builtin SmolLM2: weight bytes, perplexity, load and quantize time per level, on CPU.
 
 Run: `python bench/bench_quantization.py` (add `--isq Q6K Q2K` for more levels, `--degrid` for the check below).
 
@@ -121,12 +121,13 @@ class Row:
     level: str
     weight_bytes: int
     perplexity: float
-    seconds: float
+    load_seconds: float
+    quantize_seconds: float
     applied: str
 
 
 def degrid(model: Any) -> None:
-    """Add uniform noise of +-half a Q4_1 step (per block of 32) to every Linear weight but the tied lm_head."""
+    """Add uniform noise of +-half a Q4_1 step (per block of 32) to every Linear weight of the decoder layers."""
     generator = torch.Generator().manual_seed(0)
     for module in model.model.layers.modules():
         if isinstance(module, torch.nn.Linear):
@@ -155,13 +156,13 @@ def perplexity(model: Any, ids: torch.Tensor) -> float:
 def measure(folder: str, level: str, ids: torch.Tensor, noisy: bool) -> Row:
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    load_seconds = time.perf_counter() - start
     if noisy:
         degrid(model)
-    applied = "bf16 (no quantization)"
-    if level != "bf16":
-        applied = quantize_model(model, level, "cpu")["applied"]
-    seconds = time.perf_counter() - start
-    return Row(level, weight_bytes(model), perplexity(model, ids), seconds, applied)
+    start = time.perf_counter()
+    applied = quantize_model(model, level, "cpu")["applied"] if level != "bf16" else "bf16 (no quantization)"
+    quantize_seconds = time.perf_counter() - start
+    return Row(level, weight_bytes(model), perplexity(model, ids), load_seconds, quantize_seconds, applied)
 
 
 def verdict(row: Row, base: Row) -> str:
@@ -174,11 +175,12 @@ def verdict(row: Row, base: Row) -> str:
 
 def print_table(rows: list[Row]) -> None:
     base = rows[0]
-    print(f"{'level':6} {'MiB':>7} {'bytes':>6} {'ppl':>8} {'ppl':>7} {'load+q s':>8}  applied / target")
+    print(f"{'level':6} {'MiB':>6} {'vs bf16':>7} {'ppl':>7} {'vs bf16':>7} {'load s':>6} {'quant s':>7}  "
+          "applied; target")
     for row in rows:
-        print(f"{row.level:6} {row.weight_bytes / 2**20:7.1f} {row.weight_bytes / base.weight_bytes:5.3f}x "
-              f"{row.perplexity:8.3f} {row.perplexity / base.perplexity:6.3f}x {row.seconds:8.2f}  "
-              f"{row.applied}  {verdict(row, base)}")
+        print(f"{row.level:6} {row.weight_bytes / 2**20:6.1f} {row.weight_bytes / base.weight_bytes:6.3f}x "
+              f"{row.perplexity:7.3f} {row.perplexity / base.perplexity:6.3f}x {row.load_seconds:6.2f} "
+              f"{row.quantize_seconds:7.2f}  {row.applied}; {verdict(row, base) or '-'}")
 
 
 def main() -> None:
