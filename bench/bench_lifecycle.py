@@ -1,0 +1,219 @@
+"""Lifecycle cost of rayrunner on the builtin SmolLM2 (smollm2-135m-instruct), measured side by side in one run.
+
+Through the router's admin HTTP API (`POST /v1/models/unload` and `POST /v1/models/reload`, body `{"model_id": ...}`;
+both answer once the replica is gone / running) it times unload and reload for a few cycles, and after each cycle
+the bare in-process `AutoModelForCausalLM.from_pretrained(<same folder>, dtype=bf16, disable_mmap=True)` of the same
+cache, so machine noise hits both alike. Reported: medians and reload / bare-load. The replica's own `load_time_s`
+(weights + tokenizer + ISQ, from `ModelServer.info`) splits reload into "Serve + process start + imports" and "load".
+With `--isq Q8_0` a second model with `in_situ_quant: Q8_0` is measured the same way, against bare load + quantize
+(skipped with a message when `rayrunner.quantization.quantize_model` is missing or not implemented).
+The first load of each model (cold process, first imports) is a warm-up and not counted.
+
+Run:  .venv/bin/python bench/bench_lifecycle.py [--cycles 3] [--isq Q8_0] [--threads 2]
+It starts its own local Ray cluster (Serve and dashboard on free ports in 30000-32000) and shuts it down at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+for _key, _value in (("RAY_AUTH_MODE", "disabled"), ("RAY_USAGE_STATS_ENABLED", "0"), ("RAY_worker_niceness", "0"),
+                     ("HF_HUB_OFFLINE", "1")):
+    os.environ.setdefault(_key, _value)
+
+import httpx  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+from ray import serve  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from rayrunner.router.app import build_router_app  # noqa: E402
+from rayrunner.sources import SMOLLM2, resolve  # noqa: E402
+from rayrunner.spec import model_app_name  # noqa: E402
+
+BASE_ID = "smollm2"
+
+
+def free_port(used: set[int]) -> int:
+    for port in random.sample(range(30000, 32000), 200):
+        if port in used:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        used.add(port)
+        return port
+    raise RuntimeError("no free port in 30000-32000")
+
+
+def start_cluster(args: argparse.Namespace) -> str:
+    used: set[int] = set()
+    dashboard_port = args.dashboard_port or free_port(used)
+    http_port = args.http_port or free_port(used)
+    env = {k: os.environ[k] for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED", "HF_HUB_OFFLINE")}
+    if os.environ.get("RAYRUNNER_CACHE_DIR"):
+        env["RAYRUNNER_CACHE_DIR"] = os.environ["RAYRUNNER_CACHE_DIR"]
+    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_port=dashboard_port,
+             runtime_env={"env_vars": env}, logging_level="WARNING", log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port}, logging_config={"enable_access_log": False})
+    return f"http://127.0.0.1:{http_port}"
+
+
+def isq_available(isq: str) -> str | None:
+    """None when `quantize_model(model, isq, "cpu")` works on a tiny module, else why it does not."""
+    try:
+        from rayrunner.quantization import parse_isq, quantize_model
+
+        parse_isq(isq)
+        probe = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(torch.bfloat16)
+        quantize_model(probe, isq, "cpu")
+    except (ImportError, NotImplementedError, AttributeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def bare_load(path: str, isq: str | None) -> tuple[float, float]:
+    """Seconds to load the folder in this process, and to quantize it (0 without ISQ)."""
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, disable_mmap=True).eval()
+    loaded = time.perf_counter()
+    if isq is not None:
+        from rayrunner.quantization import quantize_model
+
+        quantize_model(model, isq, "cpu")
+    done = time.perf_counter()
+    del model
+    gc.collect()
+    return loaded - start, done - loaded
+
+
+class Admin:
+    def __init__(self, http: httpx.Client) -> None:
+        self.http = http
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+        start = time.perf_counter()
+        response = self.http.post(path, json=body)
+        elapsed = time.perf_counter() - start
+        if response.status_code != 200:
+            raise RuntimeError(f"{path}: HTTP {response.status_code} {response.text[:300]}")
+        return elapsed, response.json()
+
+    def status(self, model_id: str) -> str:
+        return str(self.post("/v1/models/status", {"model_id": model_id})[1]["status"])
+
+    def wait(self, model_id: str, wanted: str, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.status(model_id) != wanted:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{model_id} never became {wanted}")
+            time.sleep(0.3)
+
+    def cycle(self, model_id: str) -> dict[str, float]:
+        unload_s, result = self.post("/v1/models/unload", {"model_id": model_id})
+        assert result["status"] == "unloaded", result
+        began = time.time()
+        reload_s, result = self.post("/v1/models/reload", {"model_id": model_id})
+        ended = time.time()
+        assert result["status"] == "loaded", result
+        info = replica_info(model_id)  # started_at: the replica's wall clock when its engine was built
+        first_s, answer = self.post("/v1/chat/completions", {
+            "model": model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+        assert answer["usage"]["completion_tokens"] == 1, answer
+        load_s = float(info["load_time_s"])
+        return {"unload": unload_s, "reload": reload_s, "pre_load": info["started_at"] - load_s - began,
+                "replica_load": load_s, "post_load": ended - info["started_at"], "first": first_s}
+
+
+def replica_info(model_id: str) -> dict[str, Any]:
+    handle = serve.get_deployment_handle("ModelServer", app_name=model_app_name(model_id))
+    return dict(handle.info.remote().result())
+
+
+def measure(admin: Admin, model_id: str, isq: str | None, path: str, cycles: int) -> dict[str, float]:
+    if admin.status(model_id) != "loaded":  # the first (cold) load of this model: a warm-up
+        admin.post("/v1/models/reload", {"model_id": model_id})
+    bare_load(path, isq)  # warm-up of the in-process side
+    rows: list[dict[str, float]] = []
+    for i in range(cycles):
+        row = admin.cycle(model_id)
+        row["bare_load"], row["bare_quant"] = bare_load(path, isq)
+        row["bare"] = row["bare_load"] + row["bare_quant"]
+        rows.append(row)
+        print(f"  {model_id} cycle {i + 1}: " + ", ".join(f"{k} {v:.2f}s" for k, v in row.items()), flush=True)
+    result = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+    result["ratio"] = statistics.median(r["reload"] / r["bare"] for r in rows)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cycles", type=int, default=3, help="unload/reload cycles per model (median reported)")
+    parser.add_argument("--isq", default=None, help="also measure a model with this in_situ_quant, e.g. Q8_0")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (replica + driver)")
+    parser.add_argument("--http-port", type=int, default=0, help="Serve HTTP port (default: free, 30000-32000)")
+    parser.add_argument("--dashboard-port", type=int, default=0, help="dashboard port (default: free)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = resolve(SMOLLM2).path
+    engine = {"torch_threads": args.threads, "num_cpus": 0.5}
+    models: list[tuple[str, str | None]] = [(BASE_ID, None)]
+    if args.isq:
+        why = isq_available(args.isq)
+        if why is None:
+            models.append((f"{BASE_ID}-{args.isq.lower()}", args.isq))
+        else:
+            print(f"SKIPPING --isq {args.isq}: rayrunner.quantization is not usable yet ({why})")
+    entries = [{"spec": {"model_id": mid, "which": {"type": "plain", "model_id": SMOLLM2}, "in_situ_quant": isq,
+                         "engine": engine}, "load": isq is None} for mid, isq in models]
+
+    print(f"load average at start: {os.getloadavg()[0]:.2f} (machine has {os.cpu_count()} CPUs)")
+    base = start_cluster(args)
+    results: dict[str, dict[str, float]] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="rayrunner-bench-") as state_dir, \
+                httpx.Client(base_url=base, timeout=900) as http:
+            config = {"models": entries, "default_model": BASE_ID,
+                      "state_path": str(Path(state_dir) / "registry.json")}
+            serve.run(build_router_app(config), name="rayrunner", route_prefix="/",
+                      logging_config={"enable_access_log": False})
+            admin = Admin(http)
+            assert http.get("/health").json() == {"status": "ok"}
+            admin.wait(BASE_ID, "loaded")
+            for model_id, isq in models:
+                results[model_id] = measure(admin, model_id, isq, path, args.cycles)
+                admin.post("/v1/models/unload", {"model_id": model_id})  # one replica at a time
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+
+    print(f"\nUnload / reload via the router's admin HTTP API vs bare in-process load, {SMOLLM2}, bf16, "
+          f"{args.threads} torch threads, median of {args.cycles} cycles (seconds)")
+    header = ("model", "ISQ", "unload", "reload", "pre-load", "load", "post-load", "1st req", "bare load",
+              "bare quant", "reload/bare")
+    print(f"{header[0]:<14}{header[1]:<6}" + "".join(f"{h:>11}" for h in header[2:-1]) + f"{header[-1]:>13}")
+    for (model_id, isq), r in zip(models, results.values(), strict=True):
+        keys = ("unload", "reload", "pre_load", "replica_load", "post_load", "first", "bare_load", "bare_quant")
+        print(f"{model_id:<14}{isq or '-':<6}" + "".join(f"{r[k]:>11.2f}" for k in keys) + f"{r['ratio']:>12.1f}x")
+    print("reload = pre-load (Serve deploy, worker start, imports) + load (replica's load_time_s: weights, tokenizer,"
+          " ISQ) + post-load (Serve readiness, registry polling, info call)")
+    summary = "; ".join(f"{mid}: unload {r['unload']:.2f} s, reload {r['reload']:.2f} s = {r['ratio']:.1f}x bare "
+                        f"load{'+quantize' if isq else ''} ({r['bare']:.2f} s)"
+                        for (mid, isq), r in zip(models, results.values(), strict=True))
+    print(f"\nSUMMARY: {summary}")
+
+
+if __name__ == "__main__":
+    main()
