@@ -16,25 +16,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
-import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-for _key, _value in (("RAY_AUTH_MODE", "disabled"), ("RAY_USAGE_STATS_ENABLED", "0"), ("RAY_worker_niceness", "0"),
-                     ("HF_HUB_OFFLINE", "1")):
-    os.environ.setdefault(_key, _value)
+import httpx
+import ray
+from bench_cluster import start_cluster
+from ray import serve
 
-import httpx  # noqa: E402
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
-
-from rayrunner.deployments.model_server import ModelServer  # noqa: E402
-from rayrunner.router.app import build_router_app  # noqa: E402
-from rayrunner.sources import SMOLLM2, resolve  # noqa: E402
+from rayrunner.deployments.model_server import ModelServer
+from rayrunner.router.app import build_router_app
+from rayrunner.sources import SMOLLM2, resolve
 
 MODEL_ID = "smollm2"
 # The router's access log is off (as the brief's serve.start asks). The registry deploys the model app with Serve's
@@ -50,33 +45,6 @@ class DirectServer(ModelServer):
         from starlette.responses import JSONResponse
 
         return JSONResponse(await self.chat(await request.json()))
-
-
-def free_port(used: set[int]) -> int:
-    for port in random.sample(range(30000, 32000), 200):
-        if port in used:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        used.add(port)
-        return port
-    raise RuntimeError("no free port in 30000-32000")
-
-
-def start_cluster(args: argparse.Namespace) -> str:
-    used: set[int] = set()
-    dashboard_port = args.dashboard_port or free_port(used)
-    http_port = args.http_port or free_port(used)
-    env = {k: os.environ[k] for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED", "HF_HUB_OFFLINE")}
-    if os.environ.get("RAYRUNNER_CACHE_DIR"):
-        env["RAYRUNNER_CACHE_DIR"] = os.environ["RAYRUNNER_CACHE_DIR"]
-    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_port=dashboard_port,
-             runtime_env={"env_vars": env}, logging_level="WARNING", log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port}, logging_config={"enable_access_log": False})
-    return f"http://127.0.0.1:{http_port}"
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -208,7 +176,7 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"load average at start: {os.getloadavg()[0]:.2f} (machine has {os.cpu_count()} CPUs)")
-    base = start_cluster(args)
+    base = start_cluster(args.dashboard_port, args.http_port)
     try:
         with tempfile.TemporaryDirectory(prefix="rayrunner-bench-") as state_dir, \
                 httpx.Client(base_url=base, timeout=600) as http:
