@@ -220,8 +220,8 @@ class Registry:
             record.loaded_at = time.time()
             record.last_error = None
             record.load_count += 1
-            if self.state.default_id is None or self.state.models[self.state.default_id].status != "loaded":
-                self.state.default_id = self.state.default_id or spec.model_id
+            if self.state.default_id is None:
+                self.state.default_id = spec.model_id
             self._persist()
 
     async def _bring_up(self, spec: ModelSpec) -> None:

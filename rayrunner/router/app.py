@@ -99,9 +99,10 @@ def sse(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 class Router:
     def __init__(self, config: dict[str, Any]) -> None:
         self.service = RouterService(RegistryConfig.model_validate(config))
+        self._bootstrapped = False
 
     async def _started(self) -> RouterService:
-        if not getattr(self, "_bootstrapped", False):
+        if not self._bootstrapped:
             await self.service.start()
             self._bootstrapped = True
         return self.service
@@ -113,18 +114,18 @@ class Router:
         body = await parse(request, ChatCompletionRequest)
         if body.stream:
             return sse(await self._open_stream("chat_stream", body.model_dump()))
-        return await self.chat(body.model_dump())
+        return await self._infer("chat", body.model_dump(), _GENERATES)
 
     @api.post("/v1/completions")
     async def http_complete(self, request: Request) -> Any:
         body = await parse(request, CompletionRequest)
         if body.stream:
             return sse(await self._open_stream("complete_stream", body.model_dump()))
-        return await self.complete(body.model_dump())
+        return await self._infer("complete", body.model_dump(), _GENERATES)
 
     @api.post("/v1/embeddings")
     async def http_embed(self, request: Request) -> Any:
-        return await self.embed((await parse(request, EmbeddingRequest)).model_dump())
+        return await self._infer("embed", (await parse(request, EmbeddingRequest)).model_dump(), {"embedding"})
 
     @api.get("/health")
     async def health(self) -> dict[str, str]:
