@@ -1,9 +1,10 @@
-"""ISQ benchmark on the builtin SmolLM2: weight bytes, perplexity, load and quantize time per level, on CPU.
+"""ISQ benchmark on the builtin SmolLM2: weight bytes, perplexity, decode speed, load and quantize time per level.
 
 Run: `python bench/bench_quantization.py` (add `--isq Q6K Q2K` for more levels, `--degrid` for the check below).
 
 Perplexity is measured on a fixed English text embedded here (~1.4k tokens, one forward pass: it fits the
-context). Bytes count the tied embedding / lm_head once (see `rayrunner.quantization.weights`).
+context). Bytes count the tied embedding / lm_head once (see `rayrunner.quantization.weights`). Decode speed is
+greedy `generate` of 32 tokens after a short warm-up, in process, on CPU.
 
 Caveat: the builtin SmolLM2 is dequantized from a Q4_1 GGUF (Q8_0 embedding), so its Linear weights already sit on
 an asymmetric 4-bit grid in blocks of 32. int4 with groups of 32 re-finds that grid almost exactly and looks nearly
@@ -121,6 +122,7 @@ class Row:
     level: str
     weight_bytes: int
     perplexity: float
+    decode_tps: float
     load_seconds: float
     quantize_seconds: float
     applied: str
@@ -153,6 +155,14 @@ def perplexity(model: Any, ids: torch.Tensor) -> float:
         return math.exp(model(ids, labels=ids).loss.item())
 
 
+def decode_tokens_per_second(model: Any, prompt: torch.Tensor, tokens: int = 32) -> float:
+    with torch.inference_mode():
+        model.generate(prompt, max_new_tokens=4, do_sample=False)
+        start = time.perf_counter()
+        model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    return tokens / (time.perf_counter() - start)
+
+
 def measure(folder: str, level: str, ids: torch.Tensor, noisy: bool) -> Row:
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
@@ -162,7 +172,8 @@ def measure(folder: str, level: str, ids: torch.Tensor, noisy: bool) -> Row:
     start = time.perf_counter()
     applied = quantize_model(model, level, "cpu")["applied"] if level != "bf16" else "bf16 (no quantization)"
     quantize_seconds = time.perf_counter() - start
-    return Row(level, weight_bytes(model), perplexity(model, ids), load_seconds, quantize_seconds, applied)
+    decode_tps = decode_tokens_per_second(model, ids[:, :8])
+    return Row(level, weight_bytes(model), perplexity(model, ids), decode_tps, load_seconds, quantize_seconds, applied)
 
 
 def verdict(row: Row, base: Row) -> str:
@@ -175,12 +186,12 @@ def verdict(row: Row, base: Row) -> str:
 
 def print_table(rows: list[Row]) -> None:
     base = rows[0]
-    print(f"{'level':6} {'MiB':>6} {'vs bf16':>7} {'ppl':>7} {'vs bf16':>7} {'load s':>6} {'quant s':>7}  "
-          "applied; target")
+    print(f"{'level':6} {'MiB':>6} {'vs bf16':>7} {'ppl':>7} {'vs bf16':>7} {'tok/s':>6} {'load s':>6} "
+          f"{'quant s':>7}  applied; target")
     for row in rows:
         print(f"{row.level:6} {row.weight_bytes / 2**20:6.1f} {row.weight_bytes / base.weight_bytes:6.3f}x "
-              f"{row.perplexity:7.3f} {row.perplexity / base.perplexity:6.3f}x {row.load_seconds:6.2f} "
-              f"{row.quantize_seconds:7.2f}  {row.applied}; {verdict(row, base) or '-'}")
+              f"{row.perplexity:7.3f} {row.perplexity / base.perplexity:6.3f}x {row.decode_tps:6.1f} "
+              f"{row.load_seconds:6.2f} {row.quantize_seconds:7.2f}  {row.applied}; {verdict(row, base) or '-'}")
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ __all__ = ["VALID_NAMES", "IsqLevel", "is_gptq_config", "parse_isq", "quantize_m
 def quantize_model(model: torch.nn.Module, isq: str, device: str) -> dict[str, Any]:
     """Quantize `model` in place to ISQ level `isq` on `device` ("cpu", "cuda", "cuda:N"); return a JSON report:
     requested, applied, exact (False when a nearest substitute was used), quantized_layers, skipped_layers,
-    weight_bytes."""
+    tied_embedding_int8, weight_bytes."""
     from rayrunner.quantization.torchao_backend import quantize_model as quantize
 
     return quantize(model, isq, device)

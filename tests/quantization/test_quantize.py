@@ -49,19 +49,42 @@ def test_quantize_shrinks_weights_and_keeps_logits(isq: str, max_ratio: float, m
         "applied": report["applied"],
         "exact": True,
         "quantized_layers": 2 * LINEARS_PER_LAYER,
-        "skipped_layers": 1,  # the tied lm_head
+        "skipped_layers": 0,
+        "tied_embedding_int8": True,
         "weight_bytes": weight_bytes(model),
     }
     assert report["weight_bytes"] < max_ratio * base_bytes
     assert correlation(logits(model), base_logits) > min_corr
 
 
-def test_tied_lm_head_stays_tied_and_plain() -> None:
+def test_tied_embedding_and_lm_head_share_one_int8_table() -> None:
     model = tiny_llama()
+    embedding = model.get_input_embeddings().weight.detach().clone()
     quantize_model(model, "Q4K", "cpu")
-    assert model.lm_head.weight is model.get_input_embeddings().weight
-    assert type(model.lm_head.weight.data) is torch.Tensor
+    table = model.get_input_embeddings().table
+    assert model.get_output_embeddings().table is table
+    assert table.qdata.dtype == torch.int8 and table.qdata.numel() == embedding.numel()
+    ids = torch.tensor([[0, 7, 999]])
+    looked_up = model.get_input_embeddings()(ids)
+    assert looked_up.dtype == torch.bfloat16
+    assert torch.allclose(looked_up.float(), embedding[ids].float(), atol=float(table.scale.max()))
+    hidden = torch.randn(2, 3, 128, dtype=torch.bfloat16)
+    projected = model.get_output_embeddings()(hidden)
+    assert projected.shape == (2, 3, 1000)
+    assert correlation(projected, hidden.float() @ embedding.float().T) > 0.999
+    assert sum(1 for name in model.state_dict() if name.endswith("qdata") and "table" in name) == 2  # one storage
     assert type(model.model.layers[0].mlp.down_proj.weight.data) is not torch.Tensor
+
+
+def test_untied_lm_head_is_quantized_as_a_linear() -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False)
+    model: Any = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    report = quantize_model(model, "Q8_0", "cpu")
+    assert report["tied_embedding_int8"] is False
+    assert report["quantized_layers"] == LINEARS_PER_LAYER + 1
+    assert type(model.get_input_embeddings()) is torch.nn.Embedding
 
 
 def test_report_is_json_serialisable() -> None:
@@ -72,22 +95,26 @@ def test_report_is_json_serialisable() -> None:
     assert report["requested"] == "Q4K"
 
 
-@pytest.mark.parametrize(("isq", "exact", "bits"), [("Q6K", False, 8), ("5", False, 8), ("Q2K", False, 4),
-                                                   ("3", False, 4), ("FP8", False, 8), ("HQQ8", True, 8)])
-def test_nearest_substitutes_are_not_exact(isq: str, exact: bool, bits: int) -> None:
+@pytest.mark.parametrize(("isq", "exact", "applied"), [
+    ("Q6K", False, "int8 weight-only per-channel"), ("5", False, "int8 weight-only per-channel"),
+    ("Q2K", False, "int4 weight-only g32"), ("3", False, "int4 weight-only g32"),
+    ("FP8", False, "int8 weight-only per-channel"), ("HQQ8", True, "int8 weight-only per-channel"),
+    ("8", True, "int8 weight-only per-channel"), ("Q8K", True, "int8 weight-only g32"),
+    ("Q4_0", True, "int4 weight-only g32"),
+])
+def test_each_level_reports_what_was_applied(isq: str, exact: bool, applied: str) -> None:
     report = quantize_model(tiny_llama(), isq, "cpu")
     assert report["exact"] is exact
-    assert f"int{bits}" in report["applied"]
+    assert report["applied"].startswith(f"torchao {applied} (CPU)")
 
 
-def test_in_features_not_divisible_by_group_are_skipped_for_int4_only() -> None:
+def test_in_features_not_divisible_by_group_are_skipped_for_grouped_levels_only() -> None:
     def toy() -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 64)).to(torch.bfloat16)
 
-    int4 = quantize_model(toy(), "Q4_0", "cpu")
-    int8 = quantize_model(toy(), "Q8_0", "cpu")
-    assert (int4["quantized_layers"], int4["skipped_layers"]) == (1, 1)
-    assert (int8["quantized_layers"], int8["skipped_layers"]) == (2, 0)
+    for isq, expected in (("Q4_0", (1, 1)), ("Q8_0", (1, 1)), ("8", (2, 0))):
+        report = quantize_model(toy(), isq, "cpu")
+        assert (report["quantized_layers"], report["skipped_layers"]) == expected, isq
 
 
 def test_quantizing_twice_leaves_quantized_layers_alone() -> None:
@@ -95,7 +122,8 @@ def test_quantizing_twice_leaves_quantized_layers_alone() -> None:
     quantize_model(model, "Q8_0", "cpu")
     again = quantize_model(model, "Q4K", "cpu")
     assert again["quantized_layers"] == 0
-    assert again["skipped_layers"] == 2 * LINEARS_PER_LAYER + 1
+    assert again["skipped_layers"] == 2 * LINEARS_PER_LAYER
+    assert again["tied_embedding_int8"] is False
 
 
 def test_unsupported_device_is_a_spec_error() -> None:
@@ -111,7 +139,7 @@ def test_weight_bytes_counts_tied_storage_once() -> None:
     assert weight_bytes(model) == unique == naive - embedding.numel() * embedding.element_size()
 
 
-@pytest.mark.parametrize(("isq", "low", "high"), [("Q8_0", 1.0, 1.1), ("Q4K", 0.5, 0.65)])
+@pytest.mark.parametrize(("isq", "low", "high"), [("Q8_0", 1.0, 1.15), ("8", 1.0, 1.1), ("Q4K", 0.5, 0.65)])
 def test_weight_bytes_counts_packed_data_and_scales(isq: str, low: float, high: float) -> None:
     linear = torch.nn.Linear(256, 512, bias=False).to(torch.bfloat16)
     quantize_model(linear, isq, "cpu")

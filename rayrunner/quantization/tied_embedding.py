@@ -1,0 +1,113 @@
+"""Int8 for a tied input embedding / lm_head pair, kept as one shared copy.
+
+In small models the tied embedding is a large share of the weights (22% of SmolLM2-135M), so leaving it in bf16
+caps what ISQ can save. torchao has no good answer for it on CPU: quantizing the lm_head as a Linear unties it (a
+second copy), and torchao's `embedding` on its int8 tensor dequantizes the whole table on every lookup (~120 ms for
+SmolLM2's 49k x 576 table). Here one int8 table serves both roles, quantized like GGUF's Q8_0 (symmetric, blocks of
+32 along each row, one scale per block): a lookup gathers and scales only the rows it needs, and the projection sums
+one PyTorch int8-weight matmul per block on CPU (`aten._weight_int8pack_mm`) in float32 and returns float32 logits
+(rounding them to bf16 would turn near-ties between tokens into exact ties), or dequantizes on other devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+INT8_MAX = 127
+BLOCK = 32  # GGUF's Q8_0 block; a row whose length it does not divide is one block
+
+
+class Int8Table(nn.Module):
+    """A [rows, dim] weight as int8 in blocks along dim, stored block-major: qdata [blocks, rows, block] and one
+    scale per block, scale [blocks, rows], in the original dtype."""
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.qdata: torch.Tensor
+        self.scale: torch.Tensor
+        self.register_buffer("qdata", qdata)
+        self.register_buffer("scale", scale)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor) -> Int8Table:
+        """Quantize `weight` block by block (absmax / 127), without changing it."""
+        rows, dim = weight.shape
+        block = BLOCK if dim % BLOCK == 0 else dim
+        blocks = weight.detach().float().view(rows, dim // block, block).transpose(0, 1)
+        scale = blocks.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
+        qdata = torch.round(blocks / scale[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        return cls(qdata.contiguous(), scale.to(weight.dtype).contiguous())
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The dequantized rows `ids` (an embedding lookup)."""
+        blocks = self.qdata[:, ids].to(self.scale.dtype) * self.scale[:, ids].unsqueeze(-1)
+        return blocks.movedim(0, -2).flatten(-2)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden @ table.T` (the lm_head); on CPU in float32 without materialising the dequantized table."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if flat.device.type == "cpu":
+            parts = flat.view(flat.shape[0], *self.qdata.shape[::2]).unbind(1)
+            total = torch.zeros(flat.shape[0], self.qdata.shape[1], dtype=torch.float32)
+            for part, qdata, scale in zip(parts, self.qdata, self.scale, strict=True):
+                total += torch.ops.aten._weight_int8pack_mm(part.contiguous(), qdata, scale.to(flat.dtype))
+            out = total
+        else:
+            out = nn.functional.linear(flat, self.dequantize().to(flat.dtype))
+        return out.reshape(*hidden.shape[:-1], -1)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole [rows, dim] table in the original dtype."""
+        blocks = self.qdata.to(self.scale.dtype) * self.scale.unsqueeze(-1)
+        return blocks.transpose(0, 1).flatten(1)
+
+
+class Int8Embedding(nn.Module):
+    """An embedding lookup served from a shared `Int8Table`."""
+
+    def __init__(self, table: Int8Table) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids)
+
+
+class Int8LMHead(nn.Module):
+    """An output projection (no bias) served from a shared `Int8Table`."""
+
+    def __init__(self, table: Int8Table) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.table.project(hidden)
+
+
+def quantize_tied_embedding(model: Any) -> bool:
+    """Replace `model`'s tied embedding and lm_head by int8 modules sharing one table; False if they are not tied."""
+    get_input = getattr(model, "get_input_embeddings", None)
+    get_output = getattr(model, "get_output_embeddings", None)
+    if get_input is None or get_output is None:
+        return False
+    embedding, head = get_input(), get_output()
+    if not _is_tied_pair(embedding, head):
+        return False
+    table = Int8Table.from_weight(head.weight)
+    model.set_input_embeddings(Int8Embedding(table))
+    model.set_output_embeddings(Int8LMHead(table))
+    return True
+
+
+def _is_tied_pair(embedding: Any, head: Any) -> bool:
+    return (
+        type(embedding) is nn.Embedding  # exactly: subclasses (Gemma's scaled embedding) change the lookup
+        and type(head) is nn.Linear
+        and head.bias is None
+        and type(head.weight.data) is torch.Tensor
+        and head.weight.is_floating_point()
+        and head.weight.untyped_storage().data_ptr() == embedding.weight.untyped_storage().data_ptr()
+    )
