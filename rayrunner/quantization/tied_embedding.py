@@ -5,8 +5,11 @@ caps what ISQ can save. torchao has no good answer for it on CPU: quantizing the
 second copy), and torchao's `embedding` on its int8 tensor dequantizes the whole table on every lookup (~120 ms for
 SmolLM2's 49k x 576 table). Here one int8 table serves both roles, quantized like GGUF's Q8_0 (symmetric, blocks of
 32 along each row, one scale per block): a lookup gathers and scales only the rows it needs, and the projection sums
-one PyTorch int8-weight matmul per block on CPU (`aten._weight_int8pack_mm`) in float32 and returns float32 logits
-(rounding them to bf16 would turn near-ties between tokens into exact ties), or dequantizes on other devices.
+one PyTorch int8-weight matmul per block (`aten._weight_int8pack_mm`) in float32 and returns float32 logits
+(rounding them to bf16 would turn near-ties between tokens into exact ties).
+
+CPU only: that kernel is CPU's, and on CUDA the alternative (dequantizing the table at every step) was not measured
+here, so on CUDA the pair stays in the model's dtype.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 
 INT8_MAX = 127
 BLOCK = 32  # GGUF's Q8_0 block; a row whose length it does not divide is one block
+ROWS_PER_CHUNK = 4096  # quantize this many rows at a time, so no float32 copy of the whole table is ever made
 
 
 class Int8Table(nn.Module):
@@ -33,13 +37,18 @@ class Int8Table(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> Int8Table:
-        """Quantize `weight` block by block (absmax / 127), without changing it."""
+        """Quantize `weight` block by block (absmax / 127), a chunk of rows at a time, without changing it."""
         rows, dim = weight.shape
         block = BLOCK if dim % BLOCK == 0 else dim
-        blocks = weight.detach().float().view(rows, dim // block, block).transpose(0, 1)
-        scale = blocks.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
-        qdata = torch.round(blocks / scale[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-        return cls(qdata.contiguous(), scale.to(weight.dtype).contiguous())
+        qdata = torch.empty(dim // block, rows, block, dtype=torch.int8, device=weight.device)
+        scale = torch.empty(dim // block, rows, dtype=weight.dtype, device=weight.device)
+        for start in range(0, rows, ROWS_PER_CHUNK):
+            chunk = slice(start, start + ROWS_PER_CHUNK)
+            blocks = weight[chunk].detach().float().view(-1, dim // block, block).transpose(0, 1)
+            chunk_scale = blocks.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
+            qdata[:, chunk] = torch.round(blocks / chunk_scale[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+            scale[:, chunk] = chunk_scale.to(weight.dtype)
+        return cls(qdata, scale)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows `ids` (an embedding lookup)."""
@@ -47,17 +56,13 @@ class Int8Table(nn.Module):
         return blocks.movedim(0, -2).flatten(-2)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden @ table.T` (the lm_head); on CPU in float32 without materialising the dequantized table."""
+        """`hidden @ table.T` (the lm_head) in float32, without materialising the dequantized table."""
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if flat.device.type == "cpu":
-            parts = flat.view(flat.shape[0], *self.qdata.shape[::2]).unbind(1)
-            total = torch.zeros(flat.shape[0], self.qdata.shape[1], dtype=torch.float32)
-            for part, qdata, scale in zip(parts, self.qdata, self.scale, strict=True):
-                total += torch.ops.aten._weight_int8pack_mm(part.contiguous(), qdata, scale.to(flat.dtype))
-            out = total
-        else:
-            out = nn.functional.linear(flat, self.dequantize().to(flat.dtype))
-        return out.reshape(*hidden.shape[:-1], -1)
+        parts = flat.view(flat.shape[0], *self.qdata.shape[::2]).unbind(1)
+        total = torch.zeros(flat.shape[0], self.qdata.shape[1], dtype=torch.float32, device=flat.device)
+        for part, qdata, scale in zip(parts, self.qdata, self.scale, strict=True):
+            total += torch.ops.aten._weight_int8pack_mm(part.contiguous(), qdata, scale.to(flat.dtype))
+        return total.reshape(*hidden.shape[:-1], -1)
 
     def dequantize(self) -> torch.Tensor:
         """The whole [rows, dim] table in the original dtype."""
@@ -88,7 +93,8 @@ class Int8LMHead(nn.Module):
 
 
 def quantize_tied_embedding(model: Any) -> bool:
-    """Replace `model`'s tied embedding and lm_head by int8 modules sharing one table; False if they are not tied."""
+    """Replace a CPU `model`'s tied embedding and lm_head by int8 modules sharing one table; False if they are not
+    a plain tied pair on CPU."""
     get_input = getattr(model, "get_input_embeddings", None)
     get_output = getattr(model, "get_output_embeddings", None)
     if get_input is None or get_output is None:
@@ -109,5 +115,6 @@ def _is_tied_pair(embedding: Any, head: Any) -> bool:
         and head.bias is None
         and type(head.weight.data) is torch.Tensor
         and head.weight.is_floating_point()
+        and head.weight.device.type == "cpu"
         and head.weight.untyped_storage().data_ptr() == embedding.weight.untyped_storage().data_ptr()
     )

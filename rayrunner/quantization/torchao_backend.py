@@ -11,7 +11,7 @@ torchao has no GGUF block formats, so every level becomes the nearest weight-onl
 | Q5_0 Q5_1 Q5K Q6K 5 6    | int8 per output channel           | int8 per output channel            | no    |
 | FP8                      | int8 per output channel           | float8 e4m3 per channel            | CUDA  |
 
-Every level also stores a tied embedding / lm_head pair once, as int8 in blocks of 32 (see `tied_embedding`).
+On CPU every level also stores a tied embedding / lm_head pair once, as int8 in blocks of 32 (`tied_embedding`).
 
 Why these choices, measured on SmolLM2 with `bench/bench_quantization.py`:
 - Groups of 32 for 4-bit because the GGUF 4-bit types quantize in blocks of 32 (Q4K's super-blocks hold 32-wide

@@ -75,3 +75,13 @@ def test_untied_or_scaled_embeddings_are_left_alone() -> None:
     model.set_input_embeddings(scaled)
     assert quantize_tied_embedding(model) is False
     assert model.get_input_embeddings() is scaled
+
+
+def test_quantizing_in_chunks_matches_quantizing_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rayrunner.quantization.tied_embedding as tied
+
+    original = weight(100, 64)
+    whole = Int8Table.from_weight(original)
+    monkeypatch.setattr(tied, "ROWS_PER_CHUNK", 7)
+    chunked = Int8Table.from_weight(original)
+    assert torch.equal(whole.qdata, chunked.qdata) and torch.equal(whole.scale, chunked.scale)
