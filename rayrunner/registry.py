@@ -3,7 +3,8 @@
 Every change to one model runs under that model's lock, so two loads (or a load and an unload) never overlap, and
 is written to the state file before it is acknowledged. Loads are single-flight: concurrent requests for an
 unloaded model all wait on the same load. After a restart the actor reads its file back and checks each model
-against what Serve is actually running.
+against what Serve is actually running. Every saved change also bumps a version that routers long-poll
+(`routing_table`), so they route without asking the registry per request.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,9 @@ class Registry:
         self._locks: dict[str, asyncio.Lock] = {}
         self._loads: dict[str, asyncio.Task[None]] = {}
         self._reconciled = False
+        self._epoch = uuid.uuid4().hex  # a restarted registry is a new epoch, so routers never trust old versions
+        self._changes = 0
+        self._changed = asyncio.Event()
 
     # ------------------------------------------------------------ start-up
 
@@ -87,10 +92,19 @@ class Registry:
     async def resolve(self, name: str) -> dict[str, Any]:
         """Routing facts for an id, alias or `default`."""
         await self._ensure_reconciled()
-        model_id = self.state.resolve(name)
-        record = self.state.models[model_id]
-        return {"model_id": model_id, "app_name": record.spec.app_name, "status": record.status,
-                "kind": record.spec.kind}
+        return self.state.route(self.state.resolve(name))
+
+    async def routing_table(self, known: list[Any] | None = None, wait_s: float = 30.0) -> dict[str, Any]:
+        """Every name's route and the table's version. A long poll: when `known` is the current version, answers
+        at the next change (or after `wait_s`, unchanged)."""
+        await self._ensure_reconciled()
+        if known == self._version():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), wait_s)
+        return {"version": self._version(), "routes": self.state.routes()}
+
+    def _version(self) -> list[Any]:
+        return [self._epoch, self._changes]
 
     async def cards(self) -> list[dict[str, Any]]:
         await self._ensure_reconciled()
@@ -242,6 +256,9 @@ class Registry:
 
     def _persist(self) -> None:
         self.state.save(self.path)
+        self._changes += 1
+        self._changed.set()  # wakes every routing_table long poll; later polls wait on a fresh event
+        self._changed = asyncio.Event()
 
 
 async def _replica_info(app: str) -> dict[str, Any]:

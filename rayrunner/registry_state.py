@@ -88,6 +88,21 @@ class RegistryState(BaseModel):
             raise ModelNotFoundError(name)
         return owner
 
+    def route(self, model_id: str) -> dict[str, Any]:
+        """What a router needs to send a request to `model_id`."""
+        record = self.models[model_id]
+        return {"model_id": model_id, "app_name": record.spec.app_name, "status": record.status,
+                "kind": record.spec.kind}
+
+    def routes(self) -> dict[str, dict[str, Any]]:
+        """The route of every name that resolves: each model id, each alias, and `default` when one is set."""
+        table = {model_id: self.route(model_id) for model_id in self.models}
+        for model_id, record in self.models.items():
+            table.update(dict.fromkeys(record.aliases, table[model_id]))
+        if self.default_id is not None:
+            table[DEFAULT_MODEL] = table[self.default_id]
+        return table
+
     def record(self, name: str) -> ModelRecord:
         return self.models[self.resolve(name)]
 

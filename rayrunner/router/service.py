@@ -6,6 +6,7 @@ Both faces of the router use it: the FastAPI routes (HTTP) and the deployment's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -16,22 +17,28 @@ from rayrunner import model_apps
 from rayrunner.errors import UnsupportedRequestError, as_rayrunner_error
 from rayrunner.registry import get_registry
 from rayrunner.registry_state import RegistryConfig
+from rayrunner.router.routes import RoutingTable
 
 T = TypeVar("T")
 
 # How often a request stuck behind a zero-replica deployment re-checks whether its model needs a reload.
 _WATCH_S = 2.0
 _GENERATES = {"text", "multimodal"}
+# Registry operations that change routes: after one, this replica re-reads the table before answering.
+_MUTATIONS = {"unload", "reload", "add", "remove", "set_default", "add_alias"}
 
 
 class RouterService:
     def __init__(self, config: RegistryConfig) -> None:
         self.config = config
         self.registry = get_registry(config.state_path)
+        self.routes = RoutingTable(self.registry)
         self._handles: dict[str, DeploymentHandle] = {}
 
     async def start(self) -> None:
         await self.registry.bootstrap.remote(self.config.model_dump(mode="json"))
+        await self.routes.refresh()
+        self.routes.start()
 
     # ------------------------------------------------------------ inference
 
@@ -57,7 +64,7 @@ class RouterService:
         return _prepend(first, generator)
 
     async def _ready(self, name: str, kinds: set[str]) -> dict[str, Any]:
-        target: dict[str, Any] = await self.registry.resolve.remote(name)
+        target = self.routes.get(name) or await self.registry.resolve.remote(name)
         if target["kind"] not in kinds:
             wanted = "embeddings" if kinds == {"embedding"} else "generation"
             raise UnsupportedRequestError(
@@ -92,7 +99,12 @@ class RouterService:
 
     async def admin(self, operation: str, *args: Any) -> Any:
         """Forward a registry operation (cards, unload, reload, add, remove, set_default, add_alias, ...)."""
-        return await getattr(self.registry, operation).remote(*args)
+        try:
+            return await getattr(self.registry, operation).remote(*args)
+        finally:
+            if operation in _MUTATIONS:  # even a failed one may have changed a status (e.g. a failed reload)
+                with contextlib.suppress(Exception):  # if the registry is unreachable, the follower catches up
+                    await self.routes.refresh()
 
 
 async def _prepend(first: Any, rest: Any) -> AsyncIterator[Any]:

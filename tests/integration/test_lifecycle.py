@@ -235,3 +235,26 @@ def test_registry_survives_being_killed(service: Service) -> None:
     after = snapshot(response.json()["data"])
     assert after == before
     assert service.chat("hi", model="a", max_tokens=2).status_code == 200
+
+
+def test_router_follows_registry_changes_made_elsewhere(service: Service) -> None:
+    """Routers keep a copy of the routes, long-polled from the registry: a change made on the registry actor itself
+    (not through this router) reaches routing within moments, also after the registry restarted (test above)."""
+    import ray
+
+    from rayrunner.registry import NAMESPACE, REGISTRY_NAME
+
+    def default_routes_to(model_id: str) -> None:
+        deadline = time.monotonic() + 10
+        while service.chat("hi", max_tokens=2).json()["model"] != model_id:
+            assert time.monotonic() < deadline, f"`default` never routed to {model_id}"
+            time.sleep(0.1)
+
+    registry = ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE)
+    ensure(service, "org/beta", "loaded")
+    try:
+        ray.get(registry.set_default.remote("org/beta"))
+        default_routes_to("org/beta")
+    finally:
+        ray.get(registry.set_default.remote("alpha"))
+    default_routes_to("alpha")
