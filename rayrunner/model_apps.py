@@ -2,7 +2,7 @@
 
 Unload uses Serve's external scaling API (`POST /api/v1/applications/{app}/deployments/{dep}/scale` on the
 dashboard): the replica drains and exits, while the app, its config and its dashboard entry stay and no other app
-is touched. Reload deploys the app again from the saved spec with `serve.run` rather than scaling back up: a new
+is touched. Reload deploys the app again from the saved spec (`serve.run_many`) rather than scaling back up: a new
 deployment version whose constructor fails is reported DEPLOY_FAILED at once, whereas a failing scale-up of the old
 version is retried by Serve without end, which would leave the model stuck in `reloading`.
 """
@@ -69,13 +69,12 @@ def app_state(app: str) -> AppState:
 
 
 async def deploy(spec: ModelSpec) -> None:
-    """Deploy the model's app with one replica; returns once Serve reports it running (or raises)."""
-    app = model_deployment(spec)
-    try:
-        await asyncio.to_thread(serve.run, app, name=spec.app_name, route_prefix=None, external_scaler_enabled=True)
-    except RuntimeError:
-        # serve.run only says "failed to update the deployments"; the deployment's status has the real cause.
-        raise ModelLoadError(_failure_message(await asyncio.to_thread(app_state, spec.app_name))) from None
+    """Submit the model's app (one replica) to Serve; `wait_loaded` then follows it to RUNNING or to its failure.
+
+    Not `serve.run`: it polls the app once a second, which rounded every reload up to the next whole second."""
+    target = serve.RunTarget(model_deployment(spec), name=spec.app_name, route_prefix=None,
+                             external_scaler_enabled=True)
+    await asyncio.to_thread(serve.run_many, [target], wait_for_applications_running=False)
 
 
 async def scale(app: str, replicas: int) -> None:
