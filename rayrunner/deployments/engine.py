@@ -34,6 +34,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    def generate_kwargs(self) -> dict[str, Any]:
+        """The sampling arguments for transformers' `generate` (greedy clears the model's own sampling defaults)."""
+        if self.greedy:
+            return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
 
 @dataclass
 class GenerationEvent:

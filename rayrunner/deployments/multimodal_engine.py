@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 from transformers import AsyncTextIteratorStreamer, AutoModelForImageTextToText, StoppingCriteria
 
+from rayrunner.deployments.detokenizer import StopFilter
 from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, SamplingParams, describe
 from rayrunner.deployments.images import load_images
 from rayrunner.errors import InvalidRequestError
@@ -43,33 +44,6 @@ def to_conversation(messages: list[ChatMessage]) -> tuple[Conversation, list[str
         conversation.append({"role": role, "content": parts})
     urls = [url for message in messages for url in message.image_urls()]
     return conversation, urls
-
-
-class StopFilter:
-    """Cuts streamed text at the first stop string, holding back any tail that may be the start of one."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-        self.stopped = False
-
-    def push(self, text: str) -> str:
-        """The part of `text` that is safe to send now."""
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            ready, self.pending = self.pending[: min(hits)], ""
-            return ready
-        keep = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
-        cut = len(self.pending) - keep
-        ready, self.pending = self.pending[:cut], self.pending[cut:]
-        return ready
-
-    def flush(self) -> str:
-        """What is still held back once generation has ended (it turned out not to be a stop string)."""
-        ready, self.pending = self.pending, ""
-        return ready
 
 
 class _Streamer(AsyncTextIteratorStreamer):
@@ -174,7 +148,7 @@ class MultimodalEngine(Engine):
                     torch.manual_seed(params.seed)
                 return self._model.generate(
                     **inputs,
-                    **_sampling_kwargs(params),
+                    **params.generate_kwargs(),
                     max_new_tokens=max_new,
                     streamer=streamer,
                     stopping_criteria=[_Cancelled(cancel)],
@@ -204,9 +178,3 @@ class MultimodalEngine(Engine):
             prompt_time_s=first - streamer.started_at,
             completion_time_s=now - first,
         )
-
-
-def _sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
-    if params.greedy:
-        return {"do_sample": False}
-    return {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}

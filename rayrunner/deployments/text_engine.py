@@ -163,7 +163,7 @@ class TextEngine(Engine):
                 streamer=_BatchStreamer(rows),
                 stopping_criteria=StoppingCriteriaList([_RowsDone(rows)]),
                 pad_token_id=self.tokenizer.pad_token_id,
-                **_sampling_kwargs(params),
+                **params.generate_kwargs(),
             )
 
 
@@ -178,12 +178,6 @@ async def _events(job: GenerationJob) -> AsyncIterator[GenerationEvent]:
                 return
     finally:
         job.cancelled = True  # the client went away (or we finished): stop spending steps on this row
-
-
-def _sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
-    if params.greedy:
-        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    return {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:

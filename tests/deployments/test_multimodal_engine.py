@@ -12,8 +12,9 @@ import pytest
 from PIL import Image
 from safetensors.torch import load_file
 
+from rayrunner.deployments.detokenizer import StopFilter
 from rayrunner.deployments.engine import GenerationEvent, SamplingParams
-from rayrunner.deployments.multimodal_engine import MultimodalEngine, StopFilter, to_conversation
+from rayrunner.deployments.multimodal_engine import MultimodalEngine, to_conversation
 from rayrunner.errors import InvalidRequestError
 from rayrunner.protocol import ChatCompletionRequest, ChatMessage
 from rayrunner.spec import build_spec
