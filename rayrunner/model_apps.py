@@ -17,11 +17,10 @@ from dataclasses import dataclass
 import httpx
 from ray import serve
 
-from rayrunner.deployments.model_server import model_deployment
+from rayrunner.deployments.model_server import DEPLOYMENT, model_deployment
 from rayrunner.errors import ModelLoadError, ModelTimeoutError
 from rayrunner.spec import ModelSpec
 
-DEPLOYMENT = "ModelServer"
 _POLL_S = 0.2
 _FAILED = {"DEPLOY_FAILED", "UNHEALTHY"}
 

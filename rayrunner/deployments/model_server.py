@@ -20,6 +20,8 @@ from rayrunner.deployments.engine import Engine, SamplingParams
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields
 from rayrunner.spec import EngineSettings, ModelSpec
 
+DEPLOYMENT = "ModelServer"  # the deployment's name inside every model app
+
 
 def build_engine(spec: ModelSpec) -> Engine:
     """The engine for the spec's kind (imports are local: a replica loads only what its model needs)."""
@@ -106,7 +108,7 @@ def model_deployment(spec: ModelSpec) -> Application:
     settings = spec.engine
     return (
         serve.deployment(
-            name="ModelServer",
+            name=DEPLOYMENT,
             num_replicas=1,
             max_ongoing_requests=settings.max_ongoing_requests,
             graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
