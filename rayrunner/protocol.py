@@ -6,11 +6,13 @@ without pulling in an engine.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 DEFAULT_MODEL = "default"
 
@@ -20,9 +22,31 @@ def _new_id(prefix: str) -> str:
 
 
 class _Lenient(BaseModel):
-    """OpenAI bodies: unknown fields (e.g. `user`, `logit_bias`) are accepted and ignored, like OpenAI does."""
+    """OpenAI bodies: unknown fields (e.g. `user`, `metadata`) are accepted and ignored, like OpenAI does."""
 
     model_config = ConfigDict(extra="ignore")
+
+
+def _not_yet(*accepted: Any) -> AfterValidator:
+    """Marks an OpenAI field rayrunner does not implement yet: only its no-op values are accepted, any other is a
+    400 naming the field, rather than an answer that silently ignores what the client asked for."""
+    shown = " or ".join(json.dumps(value) for value in accepted)
+
+    def check(value: Any) -> Any:
+        if value not in accepted:
+            raise PydanticCustomError(
+                "not_supported_yet", "a value other than {accepted} is not supported yet", {"accepted": shown}
+            )
+        return value
+
+    return AfterValidator(check)
+
+
+def _not_yet_doc(what: str) -> str:
+    return f"{what} Not supported yet: only the default is accepted, any other value is a 400."
+
+
+TokenId = Annotated[int, Field(ge=0)]
 
 
 # ---------------------------------------------------------------- chat messages
@@ -74,11 +98,26 @@ class SamplingFields(_Lenient):
     model: str = Field(DEFAULT_MODEL, description="Model id, alias, or `default`.")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 or unset means greedy.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set of "
+                                "tokens whose probabilities add up to top_p (unset: 1, keep all).")
+    top_k: int | None = Field(None, ge=0, description="Keep only the k most likely tokens (0 or unset: all).")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="Drop tokens whose probability is below min_p "
+                                "times the most likely token's (0 or unset: off).")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="OpenAI: subtracted from the logit "
+                                           "of every token that already appeared in the output (0 or unset: off).")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="OpenAI: times a token's count "
+                                            "in the output so far, subtracted from its logit (0 or unset: off).")
+    repetition_penalty: float | None = Field(None, gt=0.0, description="HF/vLLM: the logit of a token seen in the "
+                                             "prompt or output is divided by this when positive, multiplied when "
+                                             "negative; > 1 discourages repeats (1 or unset: off).")
+    logit_bias: dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="Token id (a string key in JSON) -> bias in [-100, 100] added to that token's logit; "
+        "-100 bans the token, 100 all but forces it.")
+    stop: str | list[str] | None = Field(None, description="Stop before any of these strings (not included).")
+    stop_token_ids: list[TokenId] | None = Field(None, description="vLLM extension: stop once one of these token "
+                                                 "ids is generated.")
+    seed: int | None = Field(None, description="Seed for sampling, for repeatable answers.")
+    n: Annotated[int | None, _not_yet(1, None)] = Field(1, description=_not_yet_doc("Choices to generate."))
     stream: bool = False
 
     @field_validator("model", mode="before")
@@ -94,7 +133,23 @@ class SamplingFields(_Lenient):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="Same as max_tokens (wins over it).")
+    logprobs: Annotated[bool | None, _not_yet(False, None)] = Field(
+        None, description=_not_yet_doc("Return each output token's log probability."))
+    top_logprobs: Annotated[int | None, _not_yet(0, None)] = Field(
+        None, description=_not_yet_doc("Also return the most likely alternatives at each position."))
+    response_format: Annotated[dict[str, Any] | None, _not_yet({"type": "text"}, None)] = Field(
+        None, description=_not_yet_doc("Constrain the output, e.g. to JSON."))
+    tools: Annotated[list[dict[str, Any]] | None, _not_yet([], None)] = Field(
+        None, description=_not_yet_doc("Functions the model may call."))
+    tool_choice: Annotated[str | dict[str, Any] | None, _not_yet("none", None)] = Field(
+        None, description=_not_yet_doc("Whether and which tool to call."))
+    parallel_tool_calls: Annotated[bool | None, _not_yet(True, None)] = Field(
+        None, description=_not_yet_doc("Allow several tool calls in one answer."))
+    functions: Annotated[list[dict[str, Any]] | None, _not_yet([], None)] = Field(
+        None, description=_not_yet_doc("Deprecated form of tools."))
+    function_call: Annotated[str | dict[str, Any] | None, _not_yet("none", None)] = Field(
+        None, description=_not_yet_doc("Deprecated form of tool_choice."))
 
     @model_validator(mode="after")
     def _merge_max_tokens(self) -> ChatCompletionRequest:
@@ -107,7 +162,15 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+    prompt: str | list[str] = Field(description="One prompt (a list must hold exactly one).")
+    echo: Annotated[bool | None, _not_yet(False, None)] = Field(
+        None, description=_not_yet_doc("Return the prompt before the completion."))
+    logprobs: Annotated[int | None, _not_yet(None)] = Field(
+        None, description=_not_yet_doc("Return log probabilities of this many most likely tokens."))
+    best_of: Annotated[int | None, _not_yet(1, None)] = Field(
+        None, description=_not_yet_doc("Generate this many and return the best."))
+    suffix: Annotated[str | None, _not_yet(None, "")] = Field(
+        None, description=_not_yet_doc("Text that follows the completion (insertion)."))
 
     @field_validator("prompt")
     @classmethod

@@ -1,0 +1,98 @@
+"""Request bodies as the router checks them: fields not implemented yet, ignored fields, and the sampling fields."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rayrunner.errors import InvalidRequestError
+from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
+from rayrunner.router.app import validated
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return validated(ChatCompletionRequest, {"messages": MESSAGES, **fields})
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return validated(CompletionRequest, {"prompt": "hi", **fields})
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("n", 3),
+        ("logprobs", True),
+        ("top_logprobs", 5),
+        ("response_format", {"type": "json_object"}),
+        ("tools", [TOOL]),
+        ("tool_choice", "auto"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("parallel_tool_calls", False),
+        ("functions", [TOOL["function"]]),
+        ("function_call", "auto"),
+    ],
+)
+def test_chat_fields_not_implemented_are_refused(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        chat(**{field: value})
+    assert caught.value.param == field and caught.value.status == 400
+    assert caught.value.message.startswith(f"{field}: ") and "is not supported yet" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("n", 2), ("echo", True), ("logprobs", 0), ("best_of", 3), ("suffix", " end")]
+)
+def test_completion_fields_not_implemented_are_refused(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        completion(**{field: value})
+    assert caught.value.param == field and "is not supported yet" in caught.value.message
+
+
+def test_default_values_of_those_fields_are_accepted() -> None:
+    chat(n=1, logprobs=False, top_logprobs=None, response_format={"type": "text"}, tools=[], tool_choice="none",
+         parallel_tool_calls=True, functions=None, function_call="none")
+    chat(n=None, logprobs=None, response_format=None, tools=None, tool_choice=None)
+    completion(n=1, echo=False, logprobs=None, best_of=1, suffix=None)
+
+
+def test_fields_that_do_not_change_the_output_are_ignored() -> None:
+    body = chat(user="u-1", metadata={"k": "v"}, store=False, service_tier="auto", some_future_field=[1])
+    assert not {"user", "metadata", "store", "service_tier", "some_future_field"} & set(body)
+
+
+def test_sampling_fields_are_declared_and_checked() -> None:
+    body = chat(min_p=0.05, presence_penalty=-1.5, frequency_penalty=2, repetition_penalty=1.1,
+                logit_bias={"50256": -100, "7": 2.5}, stop_token_ids=[2, 7], seed=3, top_k=40)
+    assert body["logit_bias"] == {50256: -100.0, 7: 2.5}
+    assert body["stop_token_ids"] == [2, 7] and body["min_p"] == 0.05 and body["repetition_penalty"] == 1.1
+    assert ChatCompletionRequest.model_validate(body).logit_bias == {50256: -100.0, 7: 2.5}  # as the model re-reads it
+    assert completion(presence_penalty=0.5)["presence_penalty"] == 0.5
+    unset = chat()
+    assert all(unset[f] is None for f in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                          "logit_bias", "stop_token_ids"))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("min_p", 1.5),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("logit_bias", {"not-a-token": 1}),
+        ("logit_bias", {"-1": 1}),
+        ("logit_bias", {"5": 101}),
+        ("stop_token_ids", ["eos"]),
+    ],
+)
+def test_bad_sampling_values_name_their_field(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        chat(**{field: value})
+    assert caught.value.param == field
