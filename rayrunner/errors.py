@@ -1,12 +1,17 @@
 """rayrunner's exceptions and the one place that maps each to an HTTP status and OpenAI error code.
 
 Every exception is a `ValueError` subclass (mistral.rs's Python binding raises `ValueError`), carries a stable
-`code`, and survives a trip through Ray (it is rebuilt from its message and code on the other side).
+`code`, and survives a trip through Ray (it is rebuilt from its message and code on the other side). What a caller
+sees of any other failure is `client_error`'s: Ray's own text (node IPs, pids, actor ids) goes to the log only.
 """
 
 from __future__ import annotations
 
+import logging
+import uuid
 from typing import Any, ClassVar
+
+logger = logging.getLogger(__name__)
 
 
 class RayRunnerError(ValueError):
@@ -15,6 +20,7 @@ class RayRunnerError(ValueError):
     status: ClassVar[int] = 500
     code: ClassVar[str] = "internal_error"
     type: ClassVar[str] = "server_error"
+    retry_after_s: float | None = None  # when set, HTTP answers carry a `Retry-After` header
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -120,6 +126,37 @@ class EngineError(RayRunnerError):
     code = "engine_error"
 
 
+class ModelUnavailableError(RayRunnerError):
+    """The model's replica died or cannot take requests right now (e.g. it is restarting); retrying is safe."""
+
+    status = 503
+    code = "model_unavailable"
+
+    def __init__(self, model_id: str | None = None, param: str | None = None) -> None:
+        name = f"model `{model_id}`" if model_id else "the model"
+        super().__init__(f"{name} is unavailable right now; retry", param)
+        self.model_id = model_id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.model_id, self.param))
+
+
+class ServerOverloadedError(RayRunnerError):
+    """Too many requests queued: retry after `retry_after_s`. 429 rather than 503 because it is the status OpenAI
+    uses for "slow down", which its SDKs retry (as they do 5xx) with a backoff that honours `Retry-After`."""
+
+    status = 429
+    code = "server_overloaded"
+
+    def __init__(self, message: str = "the server is overloaded; retry later", retry_after_s: float = 1.0,
+                 param: str | None = None) -> None:
+        super().__init__(message, param)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.message, self.retry_after_s, self.param))
+
+
 def unwrap(exc: BaseException) -> BaseException:
     """Dig the original error out of Ray's wrappers. `RayTaskError(X)` subclasses X too, so its `.cause` (the
     original) is followed before any isinstance check."""
@@ -133,8 +170,32 @@ def unwrap(exc: BaseException) -> BaseException:
 
 
 def as_rayrunner_error(exc: BaseException) -> RayRunnerError:
-    """Any exception as a RayRunnerError: ours pass through, others become a 500 with their message."""
+    """Any exception as a RayRunnerError with its message kept, for records such as a model's `last_error`. What is
+    sent to callers goes through `client_error` instead."""
     found = unwrap(exc)
     if isinstance(found, RayRunnerError):
         return found
     return EngineError(f"{type(found).__name__}: {found}")
+
+
+def client_error(exc: BaseException, model_id: str | None = None) -> RayRunnerError:
+    """What a caller may see of `exc`: rayrunner errors as they are; Ray's replica outages as ModelUnavailableError
+    (503) and Serve's back-pressure as ServerOverloadedError (429), both retryable; anything else as a generic 500
+    whose message holds only a reference to the log entry, where the full details go."""
+    # Imported here: this module is also used where Ray is not needed.
+    from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+
+    found = unwrap(exc)
+    if isinstance(found, RayRunnerError):
+        return found
+    if isinstance(found, BackPressureError):
+        logger.warning("model %s is overloaded: %s", model_id, exc)
+        return ServerOverloadedError(retry_after_s=found.retry_after_s or 1.0)
+    outages = (RayActorError, WorkerCrashedError, NodeDiedError, DeploymentUnavailableError, ReplicaUnavailableError)
+    if isinstance(found, outages):
+        logger.warning("model %s is unavailable: %s", model_id, exc)
+        return ModelUnavailableError(model_id)
+    reference = uuid.uuid4().hex[:12]
+    logger.error("unexpected error (reference %s) for model %s", reference, model_id, exc_info=exc)
+    return RayRunnerError(f"internal error (reference {reference}); the details are in the server log")

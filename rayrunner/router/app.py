@@ -6,6 +6,7 @@ error body through `rayrunner.errors`.
 
 
 import json
+import math
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -16,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve import Application
 
-from rayrunner.errors import InvalidRequestError, RayRunnerError, as_rayrunner_error
+from rayrunner.errors import InvalidRequestError, RayRunnerError, client_error
 from rayrunner.protocol import (
     AddModelBody,
     AliasBody,
@@ -34,30 +35,38 @@ api = FastAPI(title="rayrunner", description="Many models behind one OpenAI-comp
 
 
 def error_response(exc: BaseException) -> JSONResponse:
-    error = as_rayrunner_error(exc)
-    return JSONResponse(error.to_dict(), status_code=error.status)
+    """The OpenAI error body with the error's status, and `Retry-After` (whole seconds) when it says when to retry."""
+    error = client_error(exc)
+    headers = None if error.retry_after_s is None else {"Retry-After": str(math.ceil(error.retry_after_s))}
+    return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
 
 
-@api.exception_handler(RayRunnerError)
-async def _rayrunner_error(_: Request, exc: RayRunnerError) -> JSONResponse:
+async def _error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(exc)
 
 
-@api.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     return error_response(_invalid(exc.errors()))
 
 
-@api.exception_handler(Exception)
-async def _any_error(_: Request, exc: Exception) -> JSONResponse:
-    return error_response(exc)
+def add_error_handlers(app: FastAPI) -> None:
+    """Every failure as an OpenAI error body; an invalid body is a 400 (never FastAPI's 422 shape)."""
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RayRunnerError, _error)
+    app.add_exception_handler(Exception, _error)  # the rest: a 500 without internals
+
+
+add_error_handlers(api)
 
 
 def _invalid(errors: Any) -> InvalidRequestError:
     first = errors[0]
+    if first["type"] == "json_invalid":
+        return InvalidRequestError("the request body is not valid JSON")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    where = ".".join(loc)
-    return InvalidRequestError(f"{where}: {first['msg']}" if where else first["msg"], param=loc[0] if loc else None)
+    if not loc:
+        return InvalidRequestError(f"the request body must be a JSON object ({first['msg']})")
+    return InvalidRequestError(f"{'.'.join(loc)}: {first['msg']}", param=loc[0])
 
 
 async def parse(request: Request, model: type[B]) -> B:
@@ -88,7 +97,7 @@ def sse(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
             async for item in items:
                 yield f"data: {json.dumps(item)}\n\n"
         except Exception as exc:  # headers are sent already: report the error in-band, then end the stream
-            yield f"data: {json.dumps(as_rayrunner_error(exc).to_dict())}\n\n"
+            yield f"data: {json.dumps(client_error(exc).to_dict())}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(frames(), media_type="text/event-stream")
@@ -201,14 +210,14 @@ class Router:
         try:
             return await (await self._started()).call(body["model"], method, body, kinds)
         except Exception as exc:
-            raise as_rayrunner_error(exc) from None
+            raise client_error(exc, body["model"]) from None
 
     async def _open_stream(self, method: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The model's stream with its first item already received (errors surface here, before any output)."""
         try:
             return await (await self._started()).stream(body["model"], method, body, _GENERATES)
         except Exception as exc:
-            raise as_rayrunner_error(exc) from None
+            raise client_error(exc, body["model"]) from None
 
     async def list_models(self) -> list[dict[str, Any]]:
         return await self._admin("cards")
@@ -249,7 +258,7 @@ class Router:
         try:
             return await (await self._started()).admin(operation, *args)
         except Exception as exc:
-            raise as_rayrunner_error(exc) from None
+            raise client_error(exc) from None
 
 
 def build_router_app(args: dict[str, Any]) -> Application:

@@ -14,7 +14,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from rayrunner import model_apps
-from rayrunner.errors import UnsupportedRequestError, as_rayrunner_error
+from rayrunner.errors import UnsupportedRequestError, client_error
 from rayrunner.registry import get_registry
 from rayrunner.registry_state import RegistryConfig
 from rayrunner.router.routes import RoutingTable
@@ -61,7 +61,7 @@ class RouterService:
         except BaseException:
             generator.cancel()
             raise
-        return _prepend(first, generator)
+        return _prepend(first, generator, target["model_id"])
 
     async def _ready(self, name: str, kinds: set[str]) -> dict[str, Any]:
         target = self.routes.get(name) or await self.registry.resolve.remote(name)
@@ -82,7 +82,7 @@ class RouterService:
 
     async def _guard(self, awaitable: Awaitable[T], model_id: str) -> T:
         """Await a model call; if the model was unloaded under it (the request then waits for a replica that
-        will not come on its own), trigger the reload it is waiting for."""
+        will not come on its own), trigger the reload it is waiting for. Failures come out as `client_error`s."""
         task = asyncio.ensure_future(awaitable)
         try:
             while True:
@@ -94,6 +94,8 @@ class RouterService:
         except asyncio.CancelledError:
             task.cancel()
             raise
+        except Exception as exc:
+            raise client_error(exc, model_id) from None
 
     # ------------------------------------------------------------ admin
 
@@ -107,13 +109,13 @@ class RouterService:
                     await self.routes.refresh()
 
 
-async def _prepend(first: Any, rest: Any) -> AsyncIterator[Any]:
+async def _prepend(first: Any, rest: Any, model_id: str) -> AsyncIterator[Any]:
     try:
         if first is not None:
             yield first
         async for item in rest:
             yield item
     except Exception as exc:
-        raise as_rayrunner_error(exc) from None
+        raise client_error(exc, model_id) from None
     finally:
         rest.cancel()
