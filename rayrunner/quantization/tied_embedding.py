@@ -9,7 +9,8 @@ one PyTorch int8-weight matmul per block (`aten._weight_int8pack_mm`) in float32
 (rounding them to bf16 would turn near-ties between tokens into exact ties).
 
 CPU only: that kernel is CPU's, and on CUDA the alternative (dequantizing the table at every step) was not measured
-here, so on CUDA the pair stays in the model's dtype.
+here, so on CUDA the pair stays in the model's dtype. So does a pair whose rows do not split into blocks of 32: the
+kernel needs rows in multiples of 16 (on this CPU, 24 or 40 gave garbage and 33 crashed), and GGUF's blocks are 32.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 INT8_MAX = 127
-BLOCK = 32  # GGUF's Q8_0 block; a row whose length it does not divide is one block
+BLOCK = 32  # GGUF's Q8_0 block
 ROWS_PER_CHUNK = 4096  # quantize this many rows at a time, so no float32 copy of the whole table is ever made
 
 
@@ -39,12 +40,14 @@ class Int8Table(nn.Module):
     def from_weight(cls, weight: torch.Tensor) -> Int8Table:
         """Quantize `weight` block by block (absmax / 127), a chunk of rows at a time, without changing it."""
         rows, dim = weight.shape
-        block = BLOCK if dim % BLOCK == 0 else dim
-        qdata = torch.empty(dim // block, rows, block, dtype=torch.int8, device=weight.device)
-        scale = torch.empty(dim // block, rows, dtype=weight.dtype, device=weight.device)
+        why = _blocks_misfit(dim)
+        if why is not None:
+            raise ValueError(why)
+        qdata = torch.empty(dim // BLOCK, rows, BLOCK, dtype=torch.int8, device=weight.device)
+        scale = torch.empty(dim // BLOCK, rows, dtype=weight.dtype, device=weight.device)
         for start in range(0, rows, ROWS_PER_CHUNK):
             chunk = slice(start, start + ROWS_PER_CHUNK)
-            blocks = weight[chunk].detach().float().view(-1, dim // block, block).transpose(0, 1)
+            blocks = weight[chunk].detach().float().view(-1, dim // BLOCK, BLOCK).transpose(0, 1)
             chunk_scale = blocks.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
             qdata[:, chunk] = torch.round(blocks / chunk_scale[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
             scale[:, chunk] = chunk_scale.to(weight.dtype)
@@ -94,27 +97,47 @@ class Int8LMHead(nn.Module):
 
 def quantize_tied_embedding(model: Any) -> bool:
     """Replace a CPU `model`'s tied embedding and lm_head by int8 modules sharing one table; False if they are not
-    a plain tied pair on CPU."""
-    get_input = getattr(model, "get_input_embeddings", None)
-    get_output = getattr(model, "get_output_embeddings", None)
-    if get_input is None or get_output is None:
+    a plain tied pair the table can hold."""
+    pair = _tied_pair(model)
+    if pair is None or _misfit(pair[1]) is not None:
         return False
-    embedding, head = get_input(), get_output()
-    if not _is_tied_pair(embedding, head):
-        return False
-    table = Int8Table.from_weight(head.weight)
+    table = Int8Table.from_weight(pair[1].weight)
     model.set_input_embeddings(Int8Embedding(table))
     model.set_output_embeddings(Int8LMHead(table))
     return True
 
 
-def _is_tied_pair(embedding: Any, head: Any) -> bool:
-    return (
+def tied_head_misfit(model: Any) -> tuple[nn.Linear, str] | None:
+    """A plain tied lm_head that the int8 table cannot hold, and why; None when there is none."""
+    pair = _tied_pair(model)
+    if pair is None:
+        return None
+    why = _misfit(pair[1])
+    return None if why is None else (pair[1], why)
+
+
+def _misfit(head: nn.Linear) -> str | None:
+    if head.weight.device.type != "cpu":
+        return "the shared int8 table is CPU-only"
+    return _blocks_misfit(head.in_features)
+
+
+def _blocks_misfit(dim: int) -> str | None:
+    return None if dim % BLOCK == 0 else f"rows of {dim} do not split into int8 blocks of {BLOCK}"
+
+
+def _tied_pair(model: Any) -> tuple[nn.Embedding, nn.Linear] | None:
+    get_input = getattr(model, "get_input_embeddings", None)
+    get_output = getattr(model, "get_output_embeddings", None)
+    if get_input is None or get_output is None:
+        return None
+    embedding, head = get_input(), get_output()
+    plain = (
         type(embedding) is nn.Embedding  # exactly: subclasses (Gemma's scaled embedding) change the lookup
         and type(head) is nn.Linear
         and head.bias is None
         and type(head.weight.data) is torch.Tensor
         and head.weight.is_floating_point()
-        and head.weight.device.type == "cpu"
         and head.weight.untyped_storage().data_ptr() == embedding.weight.untyped_storage().data_ptr()
     )
+    return (embedding, head) if plain else None

@@ -8,14 +8,14 @@ import pytest
 import torch
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-from rayrunner.quantization.tied_embedding import Int8Table, quantize_tied_embedding
+from rayrunner.quantization.tied_embedding import Int8Table, quantize_tied_embedding, tied_head_misfit
 
 
 def weight(rows: int, dim: int) -> torch.Tensor:
     return torch.randn(rows, dim, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize(("dim", "blocks"), [(96, 3), (40, 1)])  # 40 is not a multiple of 32: one block per row
+@pytest.mark.parametrize(("dim", "blocks"), [(96, 3), (32, 1)])
 def test_table_round_trips_within_half_a_step(dim: int, blocks: int) -> None:
     original = weight(50, dim)
     table = Int8Table.from_weight(original)
@@ -24,6 +24,12 @@ def test_table_round_trips_within_half_a_step(dim: int, blocks: int) -> None:
     step = table.scale.float().transpose(0, 1).repeat_interleave(dim // blocks, dim=1)
     bf16_rounding = original.float().abs() * 2**-7  # the bf16 scale and the bf16 result
     assert bool((error <= 0.5 * step + bf16_rounding + 1e-6).all())
+
+
+def test_table_refuses_rows_that_do_not_split_into_blocks() -> None:
+    # The int8 matmul kernel needs rows in 16s: one 40-wide block gave garbage logits, 33 crashed the process.
+    with pytest.raises(ValueError, match="rows of 40 do not split into int8 blocks of 32"):
+        Int8Table.from_weight(weight(50, 40))
 
 
 def test_rows_and_projection_agree_with_the_dequantized_table() -> None:
@@ -85,3 +91,13 @@ def test_quantizing_in_chunks_matches_quantizing_at_once(monkeypatch: pytest.Mon
     monkeypatch.setattr(tied, "ROWS_PER_CHUNK", 7)
     chunked = Int8Table.from_weight(original)
     assert torch.equal(whole.qdata, chunked.qdata) and torch.equal(whole.scale, chunked.scale)
+
+
+def test_a_tied_head_the_table_cannot_hold_is_named_with_the_reason() -> None:
+    model = tiny_tied_llava()
+    assert tied_head_misfit(model) is None
+    model.to("meta")  # not on CPU
+    misfit = tied_head_misfit(model)
+    assert misfit is not None and misfit[0] is model.get_output_embeddings() and "CPU-only" in misfit[1]
+    assert quantize_tied_embedding(model) is False
+    assert tied_head_misfit(torch.nn.Linear(8, 8)) is None
