@@ -20,8 +20,9 @@ __all__ = ["VALID_NAMES", "IsqLevel", "is_gptq_config", "parse_isq", "quantize_m
 
 def quantize_model(model: torch.nn.Module, isq: str, device: str) -> dict[str, Any]:
     """Quantize `model` in place to ISQ level `isq` on `device` ("cpu", "cuda", "cuda:N"); return a JSON report:
-    requested, applied, exact (False when a nearest substitute was used), quantized_layers, skipped_layers,
-    tied_embedding_int8, weight_bytes."""
+    requested, applied, exact (False when a nearest substitute was used), quantized_layers (a count),
+    fallback_layers (name -> {applied, reason}: Linears the level's format cannot hold, in the next one that fits),
+    skipped_layers (name -> reason: Linears left in the model's dtype), tied_embedding_int8, weight_bytes."""
     from rayrunner.quantization.torchao_backend import quantize_model as quantize
 
     return quantize(model, isq, device)

@@ -22,16 +22,27 @@ Why these choices, measured on SmolLM2 with `bench/bench_quantization.py`:
   for blocks. The price is CPU decode speed (torchao dequantizes grouped int8 on every call: about 10 tok/s against
   about 24 for per-channel on SmolLM2), so the bare `8` stays per-channel for whoever prefers speed.
 
-Only `nn.Linear` layers are quantized by torchao; a Linear is left alone when its weight is tied to another module
-and could not be handled as a pair, when its `in_features` does not divide into the group size, or when its weight
-is already quantized.
+Only `nn.Linear` layers are quantized by torchao. Each level is a chain of formats tried in order per Linear: its
+own, then those of the int8 rows below it (blocks of 32, then per channel). A Linear takes the first format whose
+kernel can hold its shape (checked up front: `QuantPlan.misfit`), and the report lists it under `fallback_layers`
+when that is not the level's own. It stays in the model's dtype, listed under `skipped_layers` with the reason, when
+no format fits, when its weight is tied to another module and could not be handled as a pair, or when it is already
+quantized.
+
+What each kernel needs, from torch and torchao's source:
+- int4 on CPU (`_convert_weight_to_int4pack_cpu`): out_features a multiple of 16, in_features of the group size.
+- int4 on CUDA (tinygemm): in_features a multiple of the group size, bfloat16 weights, compute capability 8.0+;
+  torchao pads out_features to 8 and in_features to 1024 itself.
+- int8 in groups: in_features a multiple of the group size. Per-channel int8 and float8: any shape but a single
+  input column (torchao mis-shapes its scale).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,75 +60,136 @@ from torchao.quantization.quantize_.workflows import Int4PackingFormat
 
 from rayrunner.errors import InvalidSpecError, ModelLoadError
 from rayrunner.quantization.names import IsqLevel, parse_isq
-from rayrunner.quantization.tied_embedding import quantize_tied_embedding
+from rayrunner.quantization.tied_embedding import quantize_tied_embedding, tied_head_misfit
 from rayrunner.quantization.weights import weight_bytes
 
 logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32  # the GGUF block size
+CPU_INT4_ROWS = 16  # the CPU int4 kernel packs output rows 16 at a time
+TINYGEMM_MIN_CAPABILITY = (8, 0)
 GGUF_INT8_NAMES = frozenset({"Q8_0", "Q8_1", "Q8K"})
 TIED_EMBEDDING_NOTE = "; tied embedding/lm_head int8 g32"
+TIED_REASON = "weight tied to another module: quantizing it alone would make a second copy"
 DEVICES = ("cpu", "cuda")
+
+Check = Callable[[torch.nn.Linear], str | None]
 
 
 @dataclass(frozen=True)
 class QuantPlan:
-    """The torchao config for one level on one device, how to describe it, and the group size it needs."""
+    """One torchao weight-only format: its config, how the report names it, and what a Linear needs to take it."""
 
     config: AOBaseConfig
     applied: str
-    exact: bool
-    group_size: int | None = None
+    checks: tuple[Check, ...] = ()
+
+    def misfit(self, linear: torch.nn.Linear) -> str | None:
+        """Why `linear` cannot take this format (the first need it misses), or None when it fits."""
+        return next((why for check in self.checks if (why := check(linear)) is not None), None)
 
 
-def plan_for(level: IsqLevel, device_type: str) -> QuantPlan:
-    """The torchao plan for `level` on `device_type` ("cpu" or "cuda"); see the module table."""
+@dataclass
+class Assignment:
+    """The format each Linear takes, by name; those not in the level's own format, and those left alone, with why."""
+
+    formats: dict[str, QuantPlan] = field(default_factory=dict)
+    fallback: dict[str, dict[str, str]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def plans_for(level: IsqLevel, device_type: str, capability: tuple[int, int] | None = None) -> tuple[QuantPlan, ...]:
+    """The formats for `level` on `device_type` ("cpu" or "cuda") in the order a Linear tries them (see the module
+    docstring); `capability` is the CUDA device's compute capability (None: not checked)."""
     # set_inductor_config=False everywhere: rayrunner does not torch.compile, so leave global inductor flags alone.
+    where = device_type.upper()
+    per_channel = QuantPlan(Int8WeightOnlyConfig(set_inductor_config=False),
+                            f"torchao int8 weight-only per-channel ({where})", (_two_columns,))
     if level.is_float and device_type == "cuda":
-        return QuantPlan(Float8WeightOnlyConfig(set_inductor_config=False), "torchao float8 e4m3 weight-only (CUDA)",
-                         exact=True)
-    exact = not level.is_float and level.bits in (4, 8)
+        return (QuantPlan(Float8WeightOnlyConfig(set_inductor_config=False), "torchao float8 e4m3 weight-only (CUDA)",
+                          (_two_columns,)),)
+    grouped = QuantPlan(IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerGroup(GROUP_SIZE)),
+                        f"torchao int8 weight-only g{GROUP_SIZE} ({where})", (_whole_groups,))
     if level.bits <= 4:
-        return _int4_plan(device_type, exact)
+        return _int4_plan(device_type, capability), grouped, per_channel
     if level.name in GGUF_INT8_NAMES:
-        return QuantPlan(IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerGroup(GROUP_SIZE)),
-                         f"torchao int8 weight-only g{GROUP_SIZE} ({device_type.upper()})", exact, GROUP_SIZE)
-    return QuantPlan(Int8WeightOnlyConfig(set_inductor_config=False),
-                     f"torchao int8 weight-only per-channel ({device_type.upper()})", exact)
+        return grouped, per_channel
+    return (per_channel,)
 
 
-def _int4_plan(device_type: str, exact: bool) -> QuantPlan:
-    config: AOBaseConfig
+def _int4_plan(device_type: str, capability: tuple[int, int] | None) -> QuantPlan:
+    applied = f"torchao int4 weight-only g{GROUP_SIZE} ({device_type.upper()})"
     if device_type == "cuda":
         # The tinygemm layout runs on plain CUDA torch; the default "plain" layout needs the mslk kernels.
         config = Int4WeightOnlyConfig(group_size=GROUP_SIZE, set_inductor_config=False,
                                       int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D)
-    else:
-        # Plain Int4WeightOnlyConfig has no CPU kernel; the prototype one packs for the CPU tinygemm kernel.
-        config = PrototypeInt4WeightOnlyConfig(group_size=GROUP_SIZE, set_inductor_config=False)
-    return QuantPlan(config, f"torchao int4 weight-only g{GROUP_SIZE} ({device_type.upper()})", exact,
-                     GROUP_SIZE)
+        return QuantPlan(config, applied, (_whole_groups, _bf16, _sm80(capability)))
+    # Plain Int4WeightOnlyConfig has no CPU kernel; the prototype one packs for the CPU tinygemm kernel.
+    config = PrototypeInt4WeightOnlyConfig(group_size=GROUP_SIZE, set_inductor_config=False)
+    return QuantPlan(config, applied, (_whole_groups, _cpu_int4_rows))
+
+
+def _whole_groups(linear: torch.nn.Linear) -> str | None:
+    if linear.in_features % GROUP_SIZE:
+        return f"in_features {linear.in_features} is not a multiple of the group size {GROUP_SIZE}"
+    return None
+
+
+def _cpu_int4_rows(linear: torch.nn.Linear) -> str | None:
+    if linear.out_features % CPU_INT4_ROWS:
+        return (f"out_features {linear.out_features} is not a multiple of {CPU_INT4_ROWS} "
+                f"(the CPU int4 kernel packs rows {CPU_INT4_ROWS} at a time)")
+    return None
+
+
+def _two_columns(linear: torch.nn.Linear) -> str | None:
+    if linear.in_features < 2:
+        return f"in_features {linear.in_features}: torchao cannot shape per-channel scales for a single input column"
+    return None
+
+
+def _bf16(linear: torch.nn.Linear) -> str | None:
+    if linear.weight.dtype != torch.bfloat16:
+        return f"tinygemm int4 takes bfloat16 weights, not {str(linear.weight.dtype).removeprefix('torch.')}"
+    return None
+
+
+def _sm80(capability: tuple[int, int] | None) -> Check:
+    def check(_linear: torch.nn.Linear) -> str | None:
+        if capability is not None and capability < TINYGEMM_MIN_CAPABILITY:
+            return "tinygemm int4 needs compute capability 8.0+, this GPU has {}.{}".format(*capability)
+        return None
+
+    return check
 
 
 def quantize_model(model: torch.nn.Module, isq: str, device: str) -> dict[str, Any]:
-    """Quantize `model` in place (a tied embedding first, then each Linear in turn) and report what was done."""
+    """Quantize `model` in place (a tied embedding first, then each Linear in the first format that holds it) and
+    report what was done."""
     level = parse_isq(isq)
-    plan = plan_for(level, _device_type(device))
+    device_type = _device_type(device)
+    capability = torch.cuda.get_device_capability(device) if device_type == "cuda" else None
+    plans = plans_for(level, device_type, capability)
     try:
+        kept_head = tied_head_misfit(model)
         tied = quantize_tied_embedding(model)
-        chosen, skipped = select_layers(model, plan.group_size)
-        if skipped:
-            logger.info("ISQ %s: leaving %d Linear layers unquantized: %s", level.name, len(skipped),
-                        ", ".join(skipped))
-        quantize_(model, plan.config, filter_fn=lambda _module, fqn: fqn in chosen)
+        layers = assign_layers(model, plans, kept_head)
+        for plan in plans:
+            quantize_(model, plan.config, filter_fn=lambda _module, fqn, plan=plan: layers.formats.get(fqn) is plan)
     except Exception as exc:
         raise ModelLoadError(f"in-situ quantization to {level.name} failed: {type(exc).__name__}: {exc}") from exc
+    for name, entry in layers.fallback.items():
+        logger.info("ISQ %s: %s takes %s: %s", level.name, name, entry["applied"], entry["reason"])
+    for name, reason in layers.skipped.items():
+        logger.info("ISQ %s: %s stays unquantized: %s", level.name, name, reason)
     return {
         "requested": level.name,
-        "applied": plan.applied + (TIED_EMBEDDING_NOTE if tied else ""),
-        "exact": plan.exact,
-        "quantized_layers": len(chosen),
-        "skipped_layers": len(skipped),
+        "applied": plans[0].applied + (TIED_EMBEDDING_NOTE if tied else ""),
+        # exact: torchao has the level's own width (4 or 8 bits), and for FP8 a float8 format (CUDA only).
+        "exact": level.bits in (4, 8) and (not level.is_float or device_type == "cuda"),
+        "quantized_layers": len(layers.formats),
+        "fallback_layers": layers.fallback,
+        "skipped_layers": layers.skipped,
         "tied_embedding_int8": tied,
         "weight_bytes": weight_bytes(model),
     }
@@ -131,27 +203,40 @@ def _device_type(device: str) -> str:
     return kind
 
 
-def select_layers(model: torch.nn.Module, group_size: int | None) -> tuple[set[str], list[str]]:
-    """Names of the Linear layers to quantize, and of those that must be left alone."""
+def assign_layers(model: torch.nn.Module, plans: tuple[QuantPlan, ...],
+                  kept_head: tuple[torch.nn.Linear, str] | None = None) -> Assignment:
+    """The first of `plans` that holds each Linear, or why it stays as it is; `kept_head` is a tied lm_head that
+    stays in the model's dtype, and why."""
     tied = _tied_storages(model)
-    chosen: set[str] = set()
-    skipped: list[str] = []
+    layers = Assignment()
     for fqn, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            if _quantizable(module, group_size, tied):
-                chosen.add(fqn)
-            else:
-                skipped.append(fqn)
-    return chosen, skipped
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        kept = _kept_reason(module, tied, kept_head)
+        fit = None if kept is not None else next((plan for plan in plans if plan.misfit(module) is None), None)
+        if fit is None:
+            # A chain ends with its most permissive format, so that one's misfit says why none fits.
+            layers.skipped[fqn] = kept if kept is not None else f"no format holds it: {plans[-1].misfit(module)}"
+            continue
+        layers.formats[fqn] = fit
+        if fit is not plans[0]:
+            layers.fallback[fqn] = {"applied": fit.applied, "reason": str(plans[0].misfit(module))}
+    return layers
 
 
-def _quantizable(linear: torch.nn.Linear, group_size: int | None, tied: set[int]) -> bool:
+def _kept_reason(linear: torch.nn.Linear, tied: set[int],
+                 kept_head: tuple[torch.nn.Linear, str] | None) -> str | None:
+    """Why `linear` stays as it is whatever the format, or None when formats may be tried."""
     weight = linear.weight
-    if type(weight.data) is not torch.Tensor or not weight.is_floating_point():
-        return False  # already a quantized tensor subclass, or integer weights
+    if type(weight.data) is not torch.Tensor:
+        return f"already quantized ({type(weight.data).__name__})"
+    if not weight.is_floating_point():
+        return f"{str(weight.dtype).removeprefix('torch.')} weights are not floating point"
+    if kept_head is not None and linear is kept_head[0]:
+        return f"tied to the input embedding, kept as one copy in the model's dtype: {kept_head[1]}"
     if weight.untyped_storage().data_ptr() in tied:
-        return False
-    return group_size is None or linear.in_features % group_size == 0
+        return TIED_REASON
+    return None
 
 
 def _tied_storages(model: torch.nn.Module) -> set[int]:

@@ -49,7 +49,8 @@ def test_quantize_shrinks_weights_and_keeps_logits(isq: str, max_ratio: float, m
         "applied": report["applied"],
         "exact": True,
         "quantized_layers": 2 * LINEARS_PER_LAYER,
-        "skipped_layers": 0,
+        "fallback_layers": {},
+        "skipped_layers": {},
         "tied_embedding_int8": True,
         "weight_bytes": weight_bytes(model),
     }
@@ -108,13 +109,14 @@ def test_each_level_reports_what_was_applied(isq: str, exact: bool, applied: str
     assert report["applied"].startswith(f"torchao {applied} (CPU)")
 
 
-def test_in_features_not_divisible_by_group_are_skipped_for_grouped_levels_only() -> None:
+def test_in_features_not_divisible_by_group_fall_back_to_per_channel_for_grouped_levels_only() -> None:
     def toy() -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 64)).to(torch.bfloat16)
 
-    for isq, expected in (("Q4_0", (1, 1)), ("Q8_0", (1, 1)), ("8", (2, 0))):
+    for isq, fallbacks in (("Q4_0", ["1"]), ("Q8_0", ["1"]), ("8", [])):
         report = quantize_model(toy(), isq, "cpu")
-        assert (report["quantized_layers"], report["skipped_layers"]) == expected, isq
+        assert report["quantized_layers"] == 2 and list(report["fallback_layers"]) == fallbacks, isq
+        assert report["skipped_layers"] == {}, isq
 
 
 def test_quantizing_twice_leaves_quantized_layers_alone() -> None:
@@ -122,7 +124,7 @@ def test_quantizing_twice_leaves_quantized_layers_alone() -> None:
     quantize_model(model, "Q8_0", "cpu")
     again = quantize_model(model, "Q4K", "cpu")
     assert again["quantized_layers"] == 0
-    assert again["skipped_layers"] == 2 * LINEARS_PER_LAYER
+    assert len(again["skipped_layers"]) == 2 * LINEARS_PER_LAYER
     assert again["tied_embedding_int8"] is False
 
 
