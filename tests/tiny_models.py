@@ -29,6 +29,7 @@ from transformers import (
 from rayrunner.sources import SMOLLM2, resolve
 
 IMAGE_TOKEN = "<image>"
+ODD_HEAD_SIZE = 49_153  # SmolLM2's 49,152 tokens plus the added `<image>`
 
 # ChatML like SmolLM2's own, with content given as a string or as a list of text / image parts.
 CHAT_TEMPLATE = (
@@ -101,6 +102,16 @@ def build_tiny_llava(path: str | Path) -> str:
     model.save_pretrained(str(path))
     processor.save_pretrained(str(path))
     return str(path)
+
+
+def build_tiny_llava_odd_head(path: str | Path) -> str:
+    """`build_tiny_llava`, checked to hold the case that once failed Q4K: an untied lm_head of 49,153 outputs (the
+    text vocabulary plus the added `<image>` token), which the CPU int4 kernel cannot pack (it needs rows in 16s)."""
+    folder = build_tiny_llava(path)
+    text: Any = LlavaConfig.from_pretrained(folder).text_config
+    if text.vocab_size != ODD_HEAD_SIZE or text.tie_word_embeddings:
+        raise RuntimeError(f"expected an untied head of {ODD_HEAD_SIZE} outputs, got {text.vocab_size}")
+    return folder
 
 
 def image_data_url(image: Image.Image, fmt: str = "PNG") -> str:
