@@ -24,6 +24,7 @@ from rayrunner.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    ErrorResponse,
     ModelIdBody,
 )
 from rayrunner.registry_state import RegistryConfig
@@ -31,7 +32,12 @@ from rayrunner.router import cards
 from rayrunner.router.service import _GENERATES, RouterService
 
 B = TypeVar("B", bound=BaseModel)
-api = FastAPI(title="rayrunner", description="Many models behind one OpenAI-compatible endpoint.")
+# "default" documents the error shape of every route (and keeps FastAPI from advertising a 422 it never sends).
+api = FastAPI(
+    title="rayrunner",
+    description="Many models behind one OpenAI-compatible endpoint.",
+    responses={"default": {"model": ErrorResponse, "description": "An OpenAI-shaped error (4xx or 5xx)."}},
+)
 
 
 def error_response(exc: BaseException) -> JSONResponse:
@@ -67,20 +73,6 @@ def _invalid(errors: Any) -> InvalidRequestError:
     if not loc:
         return InvalidRequestError(f"the request body must be a JSON object ({first['msg']})")
     return InvalidRequestError(f"{'.'.join(loc)}: {first['msg']}", param=loc[0])
-
-
-async def parse(request: Request, model: type[B]) -> B:
-    """The JSON body as `model`, or a 400 (never FastAPI's 422 shape)."""
-    try:
-        body = json.loads(await request.body())
-    except ValueError:
-        raise InvalidRequestError("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError("the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise _invalid(exc.errors()) from None
 
 
 def validated(model: type[B], body: dict[str, Any]) -> dict[str, Any]:
@@ -119,22 +111,20 @@ class Router:
     # ------------------------------------------------------------ OpenAI API (HTTP)
 
     @api.post("/v1/chat/completions")
-    async def http_chat(self, request: Request) -> Any:
-        body = await parse(request, ChatCompletionRequest)
+    async def http_chat(self, body: ChatCompletionRequest) -> Any:
         if body.stream:
             return sse(await self._open_stream("chat_stream", body.model_dump()))
         return await self._infer("chat", body.model_dump(), _GENERATES)
 
     @api.post("/v1/completions")
-    async def http_complete(self, request: Request) -> Any:
-        body = await parse(request, CompletionRequest)
+    async def http_complete(self, body: CompletionRequest) -> Any:
         if body.stream:
             return sse(await self._open_stream("complete_stream", body.model_dump()))
         return await self._infer("complete", body.model_dump(), _GENERATES)
 
     @api.post("/v1/embeddings")
-    async def http_embed(self, request: Request) -> Any:
-        return await self._infer("embed", (await parse(request, EmbeddingRequest)).model_dump(), {"embedding"})
+    async def http_embed(self, body: EmbeddingRequest) -> Any:
+        return await self._infer("embed", body.model_dump(), {"embedding"})
 
     @api.get("/health")
     async def health(self) -> dict[str, str]:
@@ -156,34 +146,31 @@ class Router:
         return cards.model_object(await self.model_card(model))
 
     @api.post("/v1/models/status")
-    async def http_status(self, request: Request) -> dict[str, Any]:
-        body = await parse(request, ModelIdBody)
+    async def http_status(self, body: ModelIdBody) -> dict[str, Any]:
         return {"model_id": body.model_id, "status": await self.get_model_status(body.model_id)}
 
     @api.post("/v1/models/unload")
-    async def http_unload(self, request: Request) -> dict[str, Any]:
-        return cards.status_of(await self.unload_model((await parse(request, ModelIdBody)).model_id))
+    async def http_unload(self, body: ModelIdBody) -> dict[str, Any]:
+        return cards.status_of(await self.unload_model(body.model_id))
 
     @api.post("/v1/models/reload")
-    async def http_reload(self, request: Request) -> dict[str, Any]:
-        return cards.status_of(await self.reload_model((await parse(request, ModelIdBody)).model_id))
+    async def http_reload(self, body: ModelIdBody) -> dict[str, Any]:
+        return cards.status_of(await self.reload_model(body.model_id))
 
     @api.post("/v1/models/add", status_code=201)
-    async def http_add(self, request: Request) -> dict[str, Any]:
-        body = await parse(request, AddModelBody)
+    async def http_add(self, body: AddModelBody) -> dict[str, Any]:
         return cards.model_object(await self.add_model(body.model_dump()))
 
     @api.post("/v1/models/remove")
-    async def http_remove(self, request: Request) -> dict[str, Any]:
-        return await self.remove_model((await parse(request, ModelIdBody)).model_id)
+    async def http_remove(self, body: ModelIdBody) -> dict[str, Any]:
+        return await self.remove_model(body.model_id)
 
     @api.post("/v1/models/default")
-    async def http_set_default(self, request: Request) -> dict[str, Any]:
-        return cards.model_object(await self.set_default_model_id((await parse(request, ModelIdBody)).model_id))
+    async def http_set_default(self, body: ModelIdBody) -> dict[str, Any]:
+        return cards.model_object(await self.set_default_model_id(body.model_id))
 
     @api.post("/v1/models/aliases")
-    async def http_alias(self, request: Request) -> dict[str, Any]:
-        body = await parse(request, AliasBody)
+    async def http_alias(self, body: AliasBody) -> dict[str, Any]:
         return cards.model_object(await self.add_alias(body.model_id, body.alias))
 
     # ------------------------------------------------------------ Python API (DeploymentHandle)

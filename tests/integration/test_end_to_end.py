@@ -116,6 +116,54 @@ def test_malformed_json_is_a_400(service: Service) -> None:
                                  headers={"content-type": "application/json"})
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_request"
+    not_an_object = service.http.post("/v1/chat/completions", json=["hi"])
+    assert not_an_object.status_code == 400 and not_an_object.json()["error"]["code"] == "invalid_request"
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/v1/chat/completions", "n", 3),
+        ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("/v1/completions", "echo", True),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_fields_not_implemented_yet_are_a_400(service: Service, path: str, field: str, value: Any,
+                                              stream: bool) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "prompt": "hi", field: value, "stream": stream}
+    response = service.http.post(path, json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == field and "not supported yet" in error["message"] and error["code"] == "invalid_request"
+
+
+def test_default_values_and_ignored_fields_still_answer(service: Service) -> None:
+    response = service.chat(QUESTION, max_tokens=2, n=1, logprobs=False, response_format={"type": "text"},
+                            tools=[], tool_choice="none", user="u-1", metadata={"k": "v"}, store=False)
+    assert response.status_code == 200, response.text
+
+
+def test_openapi_declares_every_request_body(service: Service) -> None:
+    spec = service.http.get("/openapi.json").json()
+    expected = {
+        "/v1/chat/completions": "ChatCompletionRequest",
+        "/v1/completions": "CompletionRequest",
+        "/v1/embeddings": "EmbeddingRequest",
+        "/v1/models/add": "AddModelBody",
+        "/v1/models/aliases": "AliasBody",
+        **{f"/v1/models/{op}": "ModelIdBody" for op in ("status", "unload", "reload", "remove", "default")},
+    }
+    posts = {path: ops["post"] for path, ops in spec["paths"].items() if "post" in ops}
+    assert set(posts) == set(expected)
+    for path, model in expected.items():
+        schema = posts[path]["requestBody"]["content"]["application/json"]["schema"]
+        assert schema == {"$ref": f"#/components/schemas/{model}"}, path
+        assert set(posts[path]["responses"]) == {"200" if model != "AddModelBody" else "201", "default"}, path
+    chat = spec["components"]["schemas"]["ChatCompletionRequest"]
+    assert {"messages", "logit_bias", "tools"} <= set(chat["properties"]) and chat["required"] == ["messages"]
+    assert service.http.get("/docs").status_code == 200
 
 
 def test_eight_concurrent_requests_succeed(service: Service) -> None:
