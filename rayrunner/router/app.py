@@ -32,11 +32,13 @@ from rayrunner.router import cards
 from rayrunner.router.service import _GENERATES, RouterService
 
 B = TypeVar("B", bound=BaseModel)
-# "default" documents the error shape of every route (and keeps FastAPI from advertising a 422 it never sends).
+# "default" documents the error shape of every route (and keeps FastAPI from advertising a 422 it never sends);
+# a body sent without a content-type is read as JSON, as before bodies were declared.
 api = FastAPI(
     title="rayrunner",
     description="Many models behind one OpenAI-compatible endpoint.",
     responses={"default": {"model": ErrorResponse, "description": "An OpenAI-shaped error (4xx or 5xx)."}},
+    strict_content_type=False,
 )
 
 
@@ -71,7 +73,7 @@ def _invalid(errors: Any) -> InvalidRequestError:
         return InvalidRequestError("the request body is not valid JSON")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if not loc:
-        return InvalidRequestError(f"the request body must be a JSON object ({first['msg']})")
+        return InvalidRequestError(f"the request body must be a JSON object, sent as application/json ({first['msg']})")
     return InvalidRequestError(f"{'.'.join(loc)}: {first['msg']}", param=loc[0])
 
 

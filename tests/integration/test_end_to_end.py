@@ -118,6 +118,8 @@ def test_malformed_json_is_a_400(service: Service) -> None:
     assert response.json()["error"]["code"] == "invalid_request"
     not_an_object = service.http.post("/v1/chat/completions", json=["hi"])
     assert not_an_object.status_code == 400 and not_an_object.json()["error"]["code"] == "invalid_request"
+    no_content_type = service.http.post("/v1/models/status", content=b'{"model_id": "smol"}')
+    assert no_content_type.status_code == 200, no_content_type.text  # read as JSON, as it always was
 
 
 @pytest.mark.parametrize(
