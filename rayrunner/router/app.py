@@ -1,7 +1,8 @@
 """The router deployment: FastAPI ingress at `/` for the OpenAI and admin APIs, plus Python methods for handles.
 
-Route functions only parse, delegate to `RouterService`, and shape JSON or SSE; every error becomes an OpenAI
-error body through `rayrunner.errors`.
+Route functions take their body already validated (declared as the protocol's models, so `/openapi.json` describes
+them), delegate to `RouterService`, and shape JSON or SSE; every error becomes an OpenAI error body through
+`rayrunner.errors.client_error`, which keeps Ray's internals out of it.
 """
 
 
