@@ -9,7 +9,7 @@ import hashlib
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rayrunner.errors import InvalidSpecError
 from rayrunner.protocol import DEFAULT_MODEL
@@ -25,18 +25,42 @@ class EngineSettings(BaseModel):
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved by each replica.")
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each replica (fractional is fine).")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: CPU count).")
-    max_batch_size: int = Field(8, ge=1, description="Most requests generated together in one batch.")
-    batch_wait_ms: float = Field(5.0, ge=0, description="How long a new batch waits for companions.")
+    max_num_seqs: int = Field(32, ge=1, description="Most sequences decoded together in one step.")
+    max_queued_requests: int = Field(
+        256, ge=0, description="Most requests waiting for a free sequence slot; past it requests get a 429."
+    )
+    prefill_chunk_tokens: int = Field(
+        512, ge=16, description="Prompt tokens prefilled per step (longer prompts take several steps)."
+    )
     max_seq_len: int | None = Field(None, ge=1, description="Prompt + completion token limit.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none.")
     chat_template: str | None = Field(None, description="Jinja chat template overriding the model's.")
-    max_ongoing_requests: int = Field(64, ge=1, description="Requests one replica accepts at once.")
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Requests Serve sends one replica at once (default: room for every running and "
+        "queued sequence, so the replica itself answers 429 when full)."
+    )
     graceful_shutdown_timeout_s: float = Field(60.0, ge=0, description="How long unload waits for requests.")
     image_url_allowlist: list[str] = Field(
         default_factory=list, description="URL prefixes from which remote images may be fetched (default none)."
     )
     max_image_bytes: int = Field(10 * 1024 * 1024, ge=1, description="Largest image accepted.")
     image_fetch_timeout_s: float = Field(10.0, gt=0, description="Time limit for fetching a remote image.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        """Specs saved before the step scheduler: `max_batch_size` is now `max_num_seqs`; `batch_wait_ms` is gone
+        (sequences join at the next step, nothing waits for companions)."""
+        if isinstance(data, dict) and ("max_batch_size" in data or "batch_wait_ms" in data):
+            data = dict(data)
+            data.pop("batch_wait_ms", None)
+            if "max_batch_size" in data:
+                data.setdefault("max_num_seqs", data.pop("max_batch_size"))
+        return data
+
+    def replica_max_ongoing_requests(self) -> int:
+        """Serve's per-replica limit: every running and queued sequence, plus room for admin calls."""
+        return self.max_ongoing_requests or self.max_num_seqs + self.max_queued_requests + 8
 
 
 class ModelSpec(BaseModel):

@@ -12,33 +12,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rayrunner.deployments.sampling import SamplingParams
 from rayrunner.errors import UnsupportedRequestError
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
     from rayrunner.loading import Loaded
-
-
-@dataclass
-class SamplingParams:
-    """Per-request generation settings, already resolved (defaults applied, limits checked)."""
-
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    def generate_kwargs(self) -> dict[str, Any]:
-        """The sampling arguments for transformers' `generate` (greedy clears the model's own sampling defaults)."""
-        if self.greedy:
-            return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
 
 
 @dataclass

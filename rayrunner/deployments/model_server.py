@@ -16,7 +16,8 @@ from ray import serve
 from ray.serve import Application
 
 from rayrunner.deployments import responses
-from rayrunner.deployments.engine import Engine, SamplingParams
+from rayrunner.deployments.engine import Engine
+from rayrunner.deployments.sampling import SamplingParams
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields
 from rayrunner.spec import EngineSettings, ModelSpec
 
@@ -39,14 +40,20 @@ def build_engine(spec: ModelSpec) -> Engine:
 
 
 def sampling_params(request: SamplingFields, settings: EngineSettings) -> SamplingParams:
-    """Resolved settings: unset or zero temperature means greedy."""
+    """Resolved settings: unset fields take their neutral value; unset or zero temperature means greedy."""
     return SamplingParams(
         max_tokens=request.max_tokens or settings.default_max_tokens,
         temperature=request.temperature or 0.0,
         top_p=request.top_p if request.top_p is not None else 1.0,
         top_k=request.top_k or 0,
+        min_p=request.min_p or 0.0,
         stop=request.stop_list(),
+        stop_token_ids=list(request.stop_token_ids or []),
         seed=request.seed,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=request.repetition_penalty or 1.0,
+        logit_bias=dict(request.logit_bias or {}),
     )
 
 
@@ -110,7 +117,7 @@ def model_deployment(spec: ModelSpec) -> Application:
         serve.deployment(
             name=DEPLOYMENT,
             num_replicas=1,
-            max_ongoing_requests=settings.max_ongoing_requests,
+            max_ongoing_requests=settings.replica_max_ongoing_requests(),
             graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
             graceful_shutdown_wait_loop_s=0.5,
             max_constructor_retry_count=1,  # a broken model does not heal by retrying; fail fast instead

@@ -1,25 +1,26 @@
 """Chat with a vision-language model (image + text in, text out) through its transformers processor.
 
 OpenAI messages become the processor's chat format (`{"type": "image"}` placeholders beside text parts); the
-processor's own chat template and image preprocessing build the model inputs. `generate` runs in a worker thread and
-its text streams back through transformers' `AsyncTextIteratorStreamer`, so events reach the client as they are made.
+processor's own chat template and image preprocessing build the model inputs. The step scheduler runs the requests
+like the text engine's: each prompt (its images included) is prefilled in one pass, then its sequence decodes in the
+shared batch with everyone else's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import torch
 from PIL import Image
-from transformers import AsyncTextIteratorStreamer, AutoModelForImageTextToText, StoppingCriteria
+from transformers import AutoModelForImageTextToText
 
-from rayrunner.deployments.detokenizer import StopFilter
-from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, SamplingParams, describe
+from rayrunner.deployments.detokenizer import Detokenizer
+from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, describe
 from rayrunner.deployments.images import load_images
+from rayrunner.deployments.sampling import SamplingParams
+from rayrunner.deployments.scheduler import StepScheduler, scheduler_limits
+from rayrunner.deployments.sequence import stop_ids
 from rayrunner.errors import InvalidRequestError
 from rayrunner.loading import load_model
 from rayrunner.protocol import ChatCompletionRequest, ChatMessage, ImagePart
@@ -46,33 +47,6 @@ def to_conversation(messages: list[ChatMessage]) -> tuple[Conversation, list[str
     return conversation, urls
 
 
-class _Streamer(AsyncTextIteratorStreamer):
-    """Also notes when the first new token arrived, to split prompt time from completion time."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        self.started_at = 0.0
-        self.first_token_at: float | None = None
-        self._prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        # `generate` puts the prompt first, then each new token.
-        if self._prompt_seen and self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-        self._prompt_seen = True
-        super().put(value)
-
-
-class _Cancelled(StoppingCriteria):
-    """Stops `generate` at the next step once the request has gone (client disconnect, stop string seen)."""
-
-    def __init__(self, event: threading.Event) -> None:
-        self.event = event
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
-
-
 class MultimodalEngine(Engine):
     """One image-text-to-text model; serves `chat` (with or without images)."""
 
@@ -84,35 +58,24 @@ class MultimodalEngine(Engine):
         self._model = self._loaded.model
         self._processor = self._loaded.processor
         self._tokenizer = self._processor.tokenizer
-        # One generation at a time: `generate` serves a single request per call and already uses every core,
-        # and holding the lock while seeding keeps seeded sampling reproducible.
-        self._lock = threading.Lock()
+        self._eos_ids = stop_ids(self._model, self._tokenizer)
+        self.scheduler = StepScheduler(self._model, scheduler_limits(spec.engine))
+        self.scheduler.start()
 
     def info(self) -> EngineInfo:
-        return describe(self.kind, self._loaded, {"model_type": self._model.config.model_type})
+        extra = {"model_type": self._model.config.model_type, "scheduler": self.scheduler.stats()}
+        return describe(self.kind, self._loaded, extra)
 
     async def chat(self, request: ChatCompletionRequest, params: SamplingParams) -> AsyncIterator[GenerationEvent]:
         conversation, urls = to_conversation(request.messages)
         images = await load_images(urls, self.spec.engine)
         inputs = await asyncio.to_thread(self._inputs, conversation, images)
-        prompt_tokens = int(inputs["input_ids"].shape[1])
-        max_new = self._max_new_tokens(prompt_tokens, params)
-        streamer = _Streamer(self._tokenizer)
-        cancel = threading.Event()
-        stop = StopFilter(params.stop)
-        task = asyncio.ensure_future(asyncio.to_thread(self._generate, inputs, params, max_new, streamer, cancel))
-        try:
-            async for text in streamer:
-                ready = stop.push(text)
-                if ready:
-                    yield GenerationEvent(text=ready)
-                if stop.stopped:
-                    cancel.set()
-                    break
-            new_ids = (await task)[0, prompt_tokens:].tolist()
-        finally:
-            cancel.set()
-        yield self._final_event(stop, new_ids, max_new, prompt_tokens, streamer)
+        prompt_ids = inputs["input_ids"][0].tolist()
+        params.max_tokens = self._max_new_tokens(len(prompt_ids), params)
+        extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+        detokenizer = Detokenizer(self._tokenizer, params.stop)
+        async for event in self.scheduler.generate(prompt_ids, params, detokenizer, self._eos_ids, extra):
+            yield event
 
     def _inputs(self, conversation: Conversation, images: list[Image.Image]) -> Any:
         return self._processor.apply_chat_template(
@@ -138,43 +101,5 @@ class MultimodalEngine(Engine):
             )
         return min(params.max_tokens, limit - prompt_tokens)
 
-    def _generate(
-        self, inputs: Any, params: SamplingParams, max_new: int, streamer: _Streamer, cancel: threading.Event
-    ) -> torch.Tensor:
-        try:
-            with self._lock, torch.inference_mode():
-                streamer.started_at = time.perf_counter()
-                if params.seed is not None:
-                    torch.manual_seed(params.seed)
-                return self._model.generate(
-                    **inputs,
-                    **params.generate_kwargs(),
-                    max_new_tokens=max_new,
-                    streamer=streamer,
-                    stopping_criteria=[_Cancelled(cancel)],
-                    stop_strings=params.stop or None,
-                    tokenizer=self._tokenizer,
-                    pad_token_id=self._tokenizer.pad_token_id,
-                )
-        except BaseException:
-            streamer.end()  # wake the reader; the exception reaches it through the task
-            raise
-
-    def _final_event(
-        self, stop: StopFilter, new_ids: list[int], max_new: int, prompt_tokens: int, streamer: _Streamer
-    ) -> GenerationEvent:
-        tail = "" if stop.stopped else stop.flush()
-        eos = self._model.generation_config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [eos])
-        ended = stop.stopped or bool(new_ids and new_ids[-1] in eos_ids)
-        finish = "length" if not ended and len(new_ids) >= max_new else "stop"
-        now = time.perf_counter()
-        first = streamer.first_token_at or now
-        return GenerationEvent(
-            text=tail,
-            finish_reason=finish,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=len(new_ids),
-            prompt_time_s=first - streamer.started_at,
-            completion_time_s=now - first,
-        )
+    def close(self) -> None:
+        self.scheduler.close()

@@ -1,0 +1,250 @@
+"""The step scheduler: iteration-level batching of one model's sequences, in a worker thread of the replica.
+
+Every step it
+1. drops cancelled sequences (a client that hung up stops costing work at once),
+2. admits waiting sequences while fewer than `max_num_seqs` run, and prefills at most one chunk's worth of prompt
+   tokens: several short prompts as one padded batch, or the next `prefill_chunk_tokens` of one long prompt, so
+   running streams wait at most one chunk per step,
+3. decodes one token for every running sequence in one forward pass over the shared `BatchCache`, with each
+   sequence's own sampling settings (`sampling.sample`), and retires the ones that finished.
+Sequences join and leave between steps without recomputing anyone else's cache. Past `max_queued_requests`
+waiting sequences, `submit` refuses with `ServerOverloadedError` (HTTP 429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rayrunner.deployments.detokenizer import Detokenizer
+from rayrunner.deployments.engine import GenerationEvent
+from rayrunner.deployments.kv_batch import BatchCache, mergeable, new_cache
+from rayrunner.deployments.sampling import SamplingParams, sample
+from rayrunner.deployments.sequence import Sequence, events_of
+from rayrunner.errors import ServerOverloadedError
+from rayrunner.spec import EngineSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int = 32
+    max_queued_requests: int = 256
+    prefill_chunk_tokens: int = 512
+
+
+def scheduler_limits(settings: EngineSettings) -> SchedulerLimits:
+    return SchedulerLimits(settings.max_num_seqs, settings.max_queued_requests, settings.prefill_chunk_tokens)
+
+
+class StepScheduler:
+    """Runs one model's sequences step by step in a daemon thread; `submit` may be called from any thread."""
+
+    def __init__(self, model: Any, limits: SchedulerLimits) -> None:
+        self.model = model
+        self.device = model.device
+        self.limits = limits
+        self.max_running = limits.max_num_seqs if mergeable(model.config) else 1
+        if self.max_running < limits.max_num_seqs:
+            logger.warning("this model's KV cache cannot be shared by several sequences: one runs at a time")
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._running: list[Sequence] = []
+        self._batch: BatchCache | None = None
+        self._chunking: tuple[Sequence, BatchCache] | None = None  # a long prompt being prefilled chunk by chunk
+        self._closed = False
+        self.steps = 0
+
+    # ------------------------------------------------------------ the request side
+
+    def submit(self, sequence: Sequence) -> None:
+        with self._cond:
+            if len(self._waiting) >= self.limits.max_queued_requests:
+                raise ServerOverloadedError(
+                    f"the model's queue is full ({self.limits.max_queued_requests} requests waiting); retry shortly"
+                )
+            self._waiting.append(sequence)
+            self._cond.notify()
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, detokenizer: Detokenizer, eos_ids: set[int],
+                 extra_inputs: dict[str, torch.Tensor] | None = None) -> AsyncIterator[GenerationEvent]:
+        """Queue a sequence (from the replica's event loop) and return its events."""
+        sequence = Sequence(prompt_ids, params, detokenizer, eos_ids, asyncio.get_running_loop(),
+                            extra_inputs=extra_inputs or {})
+        self.submit(sequence)
+        return events_of(sequence)
+
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            return {"running": len(self._running) + (self._chunking is not None), "waiting": len(self._waiting),
+                    "steps": self.steps, "max_num_seqs": self.max_running,
+                    "max_queued_requests": self.limits.max_queued_requests}
+
+    def start(self) -> None:
+        """Run steps in a daemon thread whenever there is work (tests may instead call `step` themselves)."""
+        threading.Thread(target=self._loop, name="step-scheduler", daemon=True).start()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    # ------------------------------------------------------------ the scheduler thread
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._closed or self._waiting or self._running or self._chunking):
+                    self._cond.wait()
+                if self._closed:
+                    return
+            with torch.inference_mode():
+                self.step()
+
+    def step(self) -> None:
+        """One scheduling step (public for tests that drive the scheduler without its thread)."""
+        self._drop_cancelled()
+        self._prefill()
+        self._decode()
+        self.steps += 1
+
+    def _drop_cancelled(self) -> None:
+        with self._cond:
+            self._waiting = collections.deque(s for s in self._waiting if not s.cancelled)
+        if self._chunking is not None and self._chunking[0].cancelled:
+            self._chunking = None
+        self._retire()
+
+    def _admit(self) -> list[Sequence]:
+        """The waiting sequences to prefill this step, within the free slots and the chunk's token budget."""
+        budget = self.limits.prefill_chunk_tokens
+        free = self.max_running - len(self._running) - (self._chunking is not None)
+        group: list[Sequence] = []
+        with self._cond:
+            while self._waiting and len(group) < free:
+                candidate = self._waiting[0]
+                alone = bool(candidate.extra_inputs) or self._needs_chunks(candidate)
+                longest = max([len(s.prompt_ids) for s in group] + [len(candidate.prompt_ids)])
+                if group and (alone or longest * (len(group) + 1) > budget):
+                    break
+                group.append(self._waiting.popleft())
+                if alone:
+                    break
+        return group
+
+    def _needs_chunks(self, sequence: Sequence) -> bool:
+        """A text prompt longer than one chunk is prefilled over several steps (images need one pass)."""
+        return not sequence.extra_inputs and len(sequence.prompt_ids) > self.limits.prefill_chunk_tokens
+
+    def _prefill(self) -> None:
+        if self._chunking is None:
+            group = self._admit()
+            if not group:
+                return
+            if self._needs_chunks(group[0]):
+                self._chunking = (group[0], BatchCache(new_cache(self.model.config), self._empty_mask(1)))
+            else:
+                self._guarded(group, lambda: self._prefill_group(group))
+                return
+        sequence, cache = self._chunking
+        self._guarded([sequence], lambda: self._prefill_chunk(sequence, cache))
+
+    def _prefill_group(self, group: list[Sequence]) -> None:
+        """Prefill whole prompts as one left-padded batch, then sample each one's first token."""
+        length = max(len(s.prompt_ids) for s in group)
+        ids = torch.full((len(group), length), 0, dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(group), length), dtype=torch.long, device=self.device)
+        for row, s in enumerate(group):
+            ids[row, length - len(s.prompt_ids):] = torch.tensor(s.prompt_ids, device=self.device)
+            mask[row, length - len(s.prompt_ids):] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = BatchCache(new_cache(self.model.config), mask)
+        extra = group[0].extra_inputs if len(group) == 1 else {}
+        logits = self._forward(ids, mask, positions, cache, extra)
+        self._started(group, logits, cache)
+
+    def _prefill_chunk(self, sequence: Sequence, cache: BatchCache) -> None:
+        """Feed the next chunk of a long prompt; after the last one it joins the running batch."""
+        start = sequence.prefilled
+        chunk = sequence.prompt_ids[start: start + self.limits.prefill_chunk_tokens]
+        ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(chunk), device=self.device).unsqueeze(0)
+        logits = self._forward(ids, cache.mask_with(len(chunk)), positions, cache)
+        sequence.prefilled += len(chunk)
+        if sequence.prefilled == len(sequence.prompt_ids):
+            self._chunking = None
+            self._started([sequence], logits, cache)
+
+    def _started(self, group: list[Sequence], logits: torch.Tensor, cache: BatchCache) -> None:
+        """Sequences whose prompt is in `cache`: take their first token and join the running batch."""
+        self._sample(group, logits)
+        if self._batch is None:
+            self._batch, self._running = cache, list(group)
+        else:
+            self._batch.merge(cache)
+            self._running.extend(group)
+        self._retire()
+
+    def _decode(self) -> None:
+        if self._batch is None or not self._running:
+            return
+        batch, running = self._batch, list(self._running)
+        ids = torch.tensor([[s.output_ids[-1]] for s in running], dtype=torch.long, device=self.device)
+
+        def run() -> None:
+            logits = self._forward(ids, batch.mask_with(1), batch.next_positions(), batch)
+            self._sample(running, logits)
+
+        self._guarded(running, run)
+        self._retire()
+
+    def _sample(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
+        tokens = sample(logits, [s.sampling_row(self.device) for s in sequences])
+        for sequence, token in zip(sequences, tokens, strict=True):
+            if not sequence.done:
+                sequence.accept(token)
+
+    def _retire(self) -> None:
+        """Drop finished and cancelled sequences from the running batch."""
+        keep = [i for i, s in enumerate(self._running) if not s.done]
+        if len(keep) == len(self._running):
+            return
+        self._running = [self._running[i] for i in keep]
+        if not keep:
+            self._batch = None
+        elif self._batch is not None:
+            self._batch.keep(keep)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: BatchCache,
+                 extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Run the model over `ids`, appending to `cache`; the logits of each row's last position."""
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache.cache,
+                         logits_to_keep=1, **(extra or {}))
+        cache.grew(mask)
+        return out.logits[:, -1, :]
+
+    def _empty_mask(self, rows: int) -> torch.Tensor:
+        return torch.zeros((rows, 0), dtype=torch.long, device=self.device)
+
+    def _guarded(self, sequences: list[Sequence], work: Any) -> None:
+        """Run one piece of model work; if it raises, the sequences it served fail with the error (others go on)."""
+        for s in sequences:
+            s.started_at = s.started_at or time.perf_counter()
+        try:
+            work()
+        except Exception as exc:
+            logger.exception("generation failed for %d sequence(s)", len(sequences))
+            for s in sequences:
+                s.fail(exc)
+            if self._chunking is not None and self._chunking[0] in sequences:
+                self._chunking = None
+            self._retire()
