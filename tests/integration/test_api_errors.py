@@ -1,5 +1,6 @@
 """Failures as a client sees them over real HTTP: a replica killed mid-stream gives a short, stable, retryable error
-with none of Ray's internals (node IP, pid, actor id), and the model answers again once Serve has replaced it."""
+with none of Ray's internals (node IP, pid, actor id), and the model answers again once Serve has replaced it; a
+model whose queue is full answers 429 with `Retry-After`, before a stream opens too."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -15,11 +17,15 @@ import pytest
 from tests.conftest import Service, model_entry
 
 MODEL = "victim"
+TIGHT = "tight"  # one sequence at a time, one waiting
+LONG = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 1900}
 
 
 @pytest.fixture(scope="module")
 def service(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Service]:
-    config = {"models": [model_entry(MODEL, tiny_llama_dir)], "state_path": str(cluster["state_dir"] / "errors.json")}
+    models = [model_entry(MODEL, tiny_llama_dir),
+              model_entry(TIGHT, tiny_llama_dir, max_num_seqs=1, max_queued_requests=1)]
+    config = {"models": models, "state_path": str(cluster["state_dir"] / "errors.json")}
     svc = Service(cluster, config)
     yield svc
     svc.close()
@@ -38,8 +44,7 @@ def replica_pid(model: str) -> int:
 def test_replica_killed_mid_stream_gives_a_stable_error(service: Service) -> None:
     assert service.chat("hello", model=MODEL, max_tokens=2).status_code == 200  # loaded and warm
     pid = replica_pid(MODEL)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 1500,
-            "stream": True}
+    body = {"model": MODEL, **LONG, "stream": True}
     events: list[str] = []
     with service.http.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
@@ -61,3 +66,22 @@ def test_replica_killed_mid_stream_gives_a_stable_error(service: Service) -> Non
         assert retry.json()["error"]["code"] == "model_unavailable"
         time.sleep(1)
     assert replica_pid(MODEL) != pid
+
+
+def test_full_queue_answers_429_with_retry_after(service: Service) -> None:
+    assert service.chat("hello", model=TIGHT, max_tokens=2).status_code == 200  # loaded and warm
+    kinds = [False, True] * 4  # unary, and streaming (refused before the stream opens)
+
+    def send(stream: bool) -> Any:
+        return service.http.post("/v1/chat/completions", json={"model": TIGHT, **LONG, "stream": stream})
+
+    with ThreadPoolExecutor(len(kinds)) as pool:  # at once: one runs, one waits, the others find the queue full
+        responses = list(pool.map(send, kinds))
+    refused = [stream for stream, r in zip(kinds, responses, strict=True) if r.status_code == 429]
+    assert sorted(refused) == [False] * 3 + [True] * 3, [r.status_code for r in responses]
+    for response in responses:
+        if response.status_code == 429:
+            assert response.headers["retry-after"] == "1"
+            assert response.json()["error"]["code"] == "server_overloaded"
+        else:
+            assert response.status_code == 200 and "retry-after" not in response.headers
