@@ -62,13 +62,15 @@ class StepScheduler:
         self._batch: BatchCache | None = None
         self._chunking: tuple[Sequence, BatchCache] | None = None  # a long prompt being prefilled chunk by chunk
         self._closed = False
+        self._thread: threading.Thread | None = None
         self.steps = 0
 
     # ------------------------------------------------------------ the request side
 
     def submit(self, sequence: Sequence) -> None:
         with self._cond:
-            if len(self._waiting) >= self.limits.max_queued_requests:
+            free = self.max_running - len(self._running) - (self._chunking is not None)
+            if len(self._waiting) >= self.limits.max_queued_requests + max(free, 0):
                 raise ServerOverloadedError(
                     f"the model's queue is full ({self.limits.max_queued_requests} requests waiting); retry shortly"
                 )
@@ -91,12 +93,17 @@ class StepScheduler:
 
     def start(self) -> None:
         """Run steps in a daemon thread whenever there is work (tests may instead call `step` themselves)."""
-        threading.Thread(target=self._loop, name="step-scheduler", daemon=True).start()
+        self._thread = threading.Thread(target=self._loop, name="step-scheduler", daemon=True)
+        self._thread.start()
 
     def close(self) -> None:
+        """Stop the thread after its current step. Joined, so the thread never outlives the engine's owner (a
+        thread still dropping tensors while the interpreter exits aborts the process)."""
         with self._cond:
             self._closed = True
             self._cond.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
     # ------------------------------------------------------------ the scheduler thread
 

@@ -1,0 +1,72 @@
+"""The logits stage on its own: each row of one batch keeps its own settings."""
+
+from __future__ import annotations
+
+import torch
+
+from rayrunner.deployments.sampling import SamplingParams, SamplingRow, new_generator, sample
+
+VOCAB = 50
+
+
+def _row(prompt: list[int] | None = None, output: list[int] | None = None, **settings: object) -> SamplingRow:
+    params = SamplingParams(max_tokens=8, **settings)  # type: ignore[arg-type]
+    return SamplingRow(params, prompt or [], output or [], params.processors(),
+                       new_generator(params, torch.device("cpu")))
+
+
+def _logits(rows: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.randn(rows, VOCAB)
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_rows() -> None:
+    logits = _logits(3)
+    rows = [_row(), _row(temperature=1.0, seed=1), _row()]
+    tokens = sample(logits.clone(), rows)
+    assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
+
+
+def test_top_k_one_is_greedy_and_min_p_one_is_greedy() -> None:
+    logits = _logits(2)
+    for settings in ({"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-6}):
+        rows = [_row(temperature=1.5, seed=s, **settings) for s in range(2)]  # type: ignore[arg-type]
+        assert sample(logits.clone(), rows) == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_keeps_draws_inside_the_top_k() -> None:
+    logits = _logits(1)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    draws = {sample(logits.clone(), [_row(temperature=2.0, top_k=3, seed=s)])[0] for s in range(40)}
+    assert draws <= allowed and len(draws) > 1
+
+
+def test_a_seeded_row_draws_the_same_whatever_its_companions() -> None:
+    logits = _logits(4)
+    seeded = logits[2].clone()
+
+    def steps(rows: list[SamplingRow], index: int, batch: torch.Tensor) -> list[int]:
+        return [sample(batch.clone(), rows)[index] for _ in range(6)]  # the row's generator runs on across steps
+
+    alone = steps([_row(temperature=1.0, seed=7)], 0, seeded.unsqueeze(0))
+    batch = torch.stack([logits[0], seeded, logits[1], logits[3]])
+    companions = [_row(temperature=0.7, seed=1), _row(temperature=1.0, seed=7), _row(temperature=1.2), _row()]
+    assert steps(companions, 1, batch) == alone
+    assert len(set(alone)) > 1  # it does sample
+
+
+def test_logit_bias_bans_and_forces_tokens() -> None:
+    logits = _logits(2)
+    best = int(logits[0].argmax())
+    banned, forced = sample(logits.clone(), [_row(logit_bias={best: -100.0}), _row(logit_bias={7: 100.0})])
+    assert banned != best and forced == 7
+
+
+def test_penalties_push_away_from_seen_tokens() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 3] = 1.0
+    logits[0, 4] = 0.9
+    assert sample(logits.clone(), [_row(output=[3], presence_penalty=0.5)]) == [4]
+    assert sample(logits.clone(), [_row(output=[3, 3], frequency_penalty=0.1)]) == [4]
+    assert sample(logits.clone(), [_row(prompt=[3], repetition_penalty=1.5)]) == [4]
+    assert sample(logits.clone(), [_row(prompt=[3], presence_penalty=0.5)]) == [3]  # OpenAI's: output only
