@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from ray import serve
@@ -23,6 +26,10 @@ from rayrunner.spec import ModelSpec
 
 _POLL_S = 0.2
 _FAILED = {"DEPLOY_FAILED", "UNHEALTHY"}
+# Held around Serve calls that build Serve config objects (`serve.status()`, building a deployment): each pickles
+# the request router by registering its module for pickling by value and unregistering it after, which is not
+# thread-safe; two at once in one process fail with "... is not registered for pickle by value".
+_SERVE_CONFIG_LOCK = threading.Lock()
 
 
 @dataclass
@@ -50,7 +57,8 @@ def dashboard_url() -> str:
 
 
 def app_state(app: str) -> AppState:
-    status = serve.status().applications.get(app)
+    with _SERVE_CONFIG_LOCK:
+        status = serve.status().applications.get(app)
     if status is None:
         return AppState(exists=False)
     deployment = status.deployments.get(DEPLOYMENT)
@@ -67,13 +75,29 @@ def app_state(app: str) -> AppState:
     )
 
 
+async def deployed_args(app: str) -> dict[str, Any] | None:
+    """The `args` a config (`serve run` / `serve deploy`) deployed the app with; None for an app deployed from
+    code (as the registry does) or not deployed at all. Read from the dashboard's Serve REST API."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.get(f"{dashboard_url()}/api/serve/applications/")
+    response.raise_for_status()
+    details = response.json().get("applications", {}).get(app) or {}
+    args: dict[str, Any] | None = (details.get("deployed_app_config") or {}).get("args")
+    return args
+
+
 async def deploy(spec: ModelSpec) -> None:
     """Submit the model's app (one replica) to Serve; `wait_loaded` then follows it to RUNNING or to its failure.
 
     Not `serve.run`: it polls the app once a second, which rounded every reload up to the next whole second."""
-    target = serve.RunTarget(model_deployment(spec), name=spec.app_name, route_prefix=None,
-                             external_scaler_enabled=True)
-    await asyncio.to_thread(serve.run_many, [target], wait_for_applications_running=False)
+
+    def submit() -> None:
+        with _SERVE_CONFIG_LOCK:
+            target = serve.RunTarget(model_deployment(spec), name=spec.app_name, route_prefix=None,
+                                     external_scaler_enabled=True)
+            serve.run_many([target], wait_for_applications_running=False)
+
+    await asyncio.to_thread(submit)
 
 
 async def scale(app: str, replicas: int) -> None:
@@ -112,6 +136,9 @@ async def wait_gone(app: str, timeout_s: float) -> None:
 
 
 def _failure_message(state: AppState) -> str:
-    # Serve's message embeds the replica's traceback; its last line names the real cause.
+    # Serve's message embeds the replica's traceback; its last line names the real cause. One of our own errors
+    # is named by its message alone (its class would repeat the `failed to reload model:` prefix).
     lines = [line.strip() for line in state.message.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else f"deployment is {state.deployment_status}"
+    if not lines:
+        return f"deployment is {state.deployment_status}"
+    return re.sub(r"^rayrunner\.errors\.\w+: ", "", lines[-1])
