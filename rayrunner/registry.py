@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import ray
 
@@ -33,6 +34,9 @@ from rayrunner.spec import ModelSpec
 REGISTRY_NAME = "rayrunner-registry"
 NAMESPACE = "rayrunner"
 
+logger = logging.getLogger(__name__)
+LoadMode = Literal["deploy", "adopt", "replace"]
+
 
 class Registry:
     def __init__(self, state_path: str | None = None) -> None:
@@ -48,27 +52,26 @@ class Registry:
 
     # ------------------------------------------------------------ start-up
 
-    async def bootstrap(self, config: dict[str, Any]) -> None:
-        """Register the config's models that are not known yet, then settle every model against Serve."""
+    async def bootstrap(self, config: dict[str, Any]) -> list[str]:
+        """Apply the config (it wins for the models it declares; see `RegistryState.apply_config`), then settle
+        every model against Serve. Returns what changed, as logged."""
         self.config = RegistryConfig.model_validate(config)
         self.state.settings = self.config.model_dump(mode="json", exclude={"models", "default_model"})
-        fresh = []
-        for entry in self.config.models:
-            if entry.spec.model_id not in self.state.models:
-                self.state.check_new(entry.spec.model_id, entry.aliases)
-                self.state.add(entry.spec, entry.aliases)
-                fresh += [entry.spec.model_id] if entry.load else []
-        if self.config.default_model is not None and self.state.default_id is None:
-            self.state.set_default(self.config.default_model)
+        changes = self.state.apply_config(self.config)
+        for line in changes.log:
+            logger.info("config: %s", line)
         self._persist()
-        await self._reconcile(set(fresh))
+        declared = {entry.spec.model_id: entry for entry in self.config.models}
+        await self._reconcile({mid for mid in changes.added if declared[mid].load}, set(changes.respecified))
+        return changes.log
 
     async def _ensure_reconciled(self) -> None:
         if not self._reconciled:
-            await self._reconcile(set())
+            await self._reconcile(set(), set())
 
-    async def _reconcile(self, to_load: set[str]) -> None:
-        """Make each status match Serve: adopt running apps, wait for starting ones, load new `load: true` ones.
+    async def _reconcile(self, to_load: set[str], respecified: set[str]) -> None:
+        """Make each status match Serve: adopt running apps, wait for starting ones, load new `load: true` ones,
+        and redeploy a running model whose spec the config changed unless the config itself deployed it so.
 
         Models known from an earlier run keep the status the user left them in (an unloaded model stays
         unloaded across router redeploys)."""
@@ -77,15 +80,28 @@ class Registry:
             if model_id in self._loads:
                 continue
             state = await asyncio.to_thread(model_apps.app_state, record.spec.app_name)
-            if state.running >= 1 and state.deployment_status == "HEALTHY":
+            running = state.running >= 1 and state.deployment_status == "HEALTHY"
+            starting = state.exists and state.deployment_status not in ("HEALTHY", "DEPLOY_FAILED", "UNHEALTHY")
+            if (running or starting) and model_id in respecified and not await self._runs_spec(record.spec):
+                logger.info("config: redeploying `%s`, which runs the spec the config replaced", model_id)
+                self._start_load(record, mode="replace")
+            elif running:
                 record.status = "loaded"
-            elif state.exists and state.deployment_status not in ("HEALTHY", "DEPLOY_FAILED", "UNHEALTHY"):
-                self._start_load(record, adopt=True)  # a config deploy or a scale-up is under way
+            elif starting:
+                self._start_load(record, mode="adopt")  # a config deploy or a scale-up is under way
             elif model_id in to_load:
                 self._start_load(record)
             else:
                 record.status = "unloaded"
         self._persist()
+
+    @staticmethod
+    async def _runs_spec(spec: ModelSpec) -> bool:
+        """Whether the model's app was deployed (by a config) with exactly `spec`; unknown counts as no."""
+        with contextlib.suppress(Exception):
+            args = await model_apps.deployed_args(spec.app_name)
+            return args is not None and ModelSpec.model_validate(args) == spec
+        return False
 
     # ------------------------------------------------------------ queries
 
@@ -155,8 +171,7 @@ class Registry:
         if record.status == "unloaded":
             raise ModelAlreadyUnloadedError(model_id)
         async with self._lock(model_id):
-            record.status = "unloaded"
-            self.state.move_default_from(model_id)
+            record.status = "unloaded"  # the default stays here: a request for `default` reloads it
             self._persist()
             await model_apps.scale(record.spec.app_name, 0)
             await model_apps.wait_gone(record.spec.app_name, self.config.unload_timeout_s)
@@ -165,14 +180,24 @@ class Registry:
         return self._card(model_id)
 
     async def add(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """Register and (with `load`) load a model. For an id already registered with the same spec this attaches
+        instead: it adds missing aliases and, with `load`, loads the model if it is not loaded; another spec under
+        that id raises `SpecMismatchError` (a `ModelExistsError`)."""
         await self._ensure_reconciled()
         parsed = ModelEntry.model_validate(entry)
-        self.state.check_new(parsed.spec.model_id, parsed.aliases)
+        model_id = parsed.spec.model_id
+        if model_id in self.state.models:
+            self.state.attach(parsed.spec, parsed.aliases)
+            self._persist()
+            if parsed.load:
+                await self.ensure_loaded(model_id)
+            return self._card(model_id)
+        self.state.check_new(model_id, parsed.aliases)
         record = self.state.add(parsed.spec, parsed.aliases)
         self._persist()
         if parsed.load:
             await asyncio.shield(self._start_load(record))
-        return self._card(parsed.spec.model_id)
+        return self._card(model_id)
 
     async def remove(self, name: str) -> dict[str, Any]:
         await self._ensure_reconciled()
@@ -195,8 +220,8 @@ class Registry:
     async def add_alias(self, model_id: str, alias: str) -> dict[str, Any]:
         await self._ensure_reconciled()
         resolved = self.state.resolve(model_id)
-        self.state.add_alias(resolved, alias)
-        self._persist()
+        if self.state.add_alias(resolved, alias):
+            self._persist()
         return self._card(resolved)
 
     # ------------------------------------------------------------ internals
@@ -204,12 +229,14 @@ class Registry:
     def _lock(self, model_id: str) -> asyncio.Lock:
         return self._locks.setdefault(model_id, asyncio.Lock())
 
-    def _start_load(self, record: ModelRecord, adopt: bool = False) -> asyncio.Task[None]:
-        """Mark the model `reloading` now (so later callers join), and load it in a task."""
+    def _start_load(self, record: ModelRecord, mode: LoadMode = "deploy") -> asyncio.Task[None]:
+        """Mark the model `reloading` now (so later callers join), and load it in a task: `deploy` its spec,
+        `adopt` a deploy already under way, or `replace` a running app (deleted first, so the old replica is gone
+        before the new one loads, and its memory with it)."""
         model_id = record.spec.model_id
         record.status = "reloading"
         self._persist()
-        task = asyncio.get_running_loop().create_task(self._load(record, adopt))
+        task = asyncio.get_running_loop().create_task(self._load(record, mode))
         self._loads[model_id] = task
         task.add_done_callback(lambda done: self._forget_load(model_id, done))
         return task
@@ -219,11 +246,13 @@ class Registry:
         if not task.cancelled():
             task.exception()  # retrieved here: a failed load is reported to its waiters and in `last_error`
 
-    async def _load(self, record: ModelRecord, adopt: bool) -> None:
+    async def _load(self, record: ModelRecord, mode: LoadMode) -> None:
         spec = record.spec
         async with self._lock(spec.model_id):
             try:
-                if not adopt:
+                if mode == "replace":
+                    await model_apps.delete(spec.app_name)
+                if mode != "adopt":
                     await self._bring_up(spec)
                 await model_apps.wait_loaded(spec.app_name, self.config.load_timeout_s)
                 record.info = await _replica_info(spec.app_name)
@@ -234,8 +263,6 @@ class Registry:
             record.loaded_at = time.time()
             record.last_error = None
             record.load_count += 1
-            if self.state.default_id is None:
-                self.state.default_id = spec.model_id
             self._persist()
 
     async def _bring_up(self, spec: ModelSpec) -> None:

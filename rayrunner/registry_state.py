@@ -10,6 +10,7 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +21,50 @@ from rayrunner.protocol import DEFAULT_MODEL
 from rayrunner.spec import ModelSpec
 
 Status = Literal["loaded", "unloaded", "reloading"]
+
+
+class SpecMismatchError(ModelExistsError):
+    """An add of a registered id with another spec; the message names each differing field, old and new."""
+
+    def __init__(self, model_id: str, differences: str, param: str | None = "model_id") -> None:
+        super().__init__(model_id, param)
+        self.differences = differences
+        self.message = f"model `{model_id}` already exists with a different spec ({differences})"
+        self.args = (self.message,)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.model_id, self.differences, self.param))
+
+
+class NoDefaultModelError(ModelNotFoundError):
+    """`default` was asked for while none is set (its model was removed and none of the same kind was left)."""
+
+    def __init__(self, model_id: str = DEFAULT_MODEL, param: str | None = "model") -> None:
+        super().__init__(model_id, param)
+        self.message = "no default model is set; name a model, or set a default (POST /v1/models/default)"
+        self.args = (self.message,)
+
+
+def spec_differences(old: ModelSpec, new: ModelSpec) -> list[str]:
+    """`field: old -> new` for each field (dotted when nested) that differs between two specs."""
+
+    def flat(value: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(value, dict):
+            return {prefix: value}
+        return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}{key}.").items()}
+
+    before, after = flat(old.model_dump(mode="json")), flat(new.model_dump(mode="json"))
+    return [f"{key.rstrip('.')}: {before.get(key)!r} -> {after.get(key)!r}"
+            for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)]
+
+
+@dataclass
+class ConfigChanges:
+    """What `RegistryState.apply_config` did: ids it registered, ids whose spec it replaced, and a log line each."""
+
+    added: list[str] = field(default_factory=list)
+    respecified: list[str] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
 
 
 class ModelEntry(BaseModel):
@@ -68,6 +113,9 @@ class RegistryState(BaseModel):
 
     models: dict[str, ModelRecord] = Field(default_factory=dict)
     default_id: str | None = None
+    config_default: str | None = Field(
+        None, description="The default the last applied config declared; a config changes the default only when "
+        "its own value differs from this (so a default set at runtime outlives restarts with the same config).")
     settings: dict[str, Any] = Field(default_factory=dict, description="The last config's timeouts and paths.")
 
     # ------------------------------------------------------------ lookups
@@ -79,7 +127,7 @@ class RegistryState(BaseModel):
         """Model id for an id, an alias, or `default`; raises ModelNotFoundError."""
         if name == DEFAULT_MODEL:
             if self.default_id is None:
-                raise ModelNotFoundError(DEFAULT_MODEL)
+                raise NoDefaultModelError()
             return self.default_id
         if name in self.models:
             return name
@@ -106,9 +154,6 @@ class RegistryState(BaseModel):
     def record(self, name: str) -> ModelRecord:
         return self.models[self.resolve(name)]
 
-    def ids_with_status(self, status: Status) -> list[str]:
-        return [mid for mid, rec in self.models.items() if rec.status == status]
-
     # ------------------------------------------------------------ checks
 
     def _check_name_free(self, name: str) -> None:
@@ -119,6 +164,11 @@ class RegistryState(BaseModel):
         owner = self.alias_owner(name)
         if owner is not None:
             raise AliasConflictError(f"alias `{name}` already points at model `{owner}`", param="alias")
+
+    def _check_alias_for(self, model_id: str, alias: str) -> None:
+        """`alias` may name `model_id`: it is free, or already names that model."""
+        if alias not in self.models[model_id].aliases:
+            self._check_name_free(alias)
 
     def check_new(self, model_id: str, aliases: list[str]) -> None:
         if model_id in self.models:
@@ -139,29 +189,70 @@ class RegistryState(BaseModel):
             self.default_id = spec.model_id
         return record
 
-    def remove(self, model_id: str) -> None:
-        del self.models[model_id]
-        if self.default_id == model_id:
-            self.default_id = None
-            self.move_default_from(model_id)
+    def attach(self, spec: ModelSpec, aliases: list[str]) -> ModelRecord:
+        """An add of a registered model with the same spec: adds the aliases it lacks, changes nothing else."""
+        record = self.models[spec.model_id]
+        differences = spec_differences(record.spec, spec)
+        if differences:
+            raise SpecMismatchError(spec.model_id, "; ".join(differences))
+        for alias in aliases:
+            self._check_alias_for(spec.model_id, alias)
+        record.aliases += [alias for alias in dict.fromkeys(aliases) if alias not in record.aliases]
+        return record
 
-    def add_alias(self, model_id: str, alias: str) -> None:
-        self._check_name_free(alias)
+    def remove(self, model_id: str) -> None:
+        """Forget a model. If it was the default, the default moves to a model of the same kind (a loaded one
+        first), or there is none: never to another kind, whose requests `default` callers do not send."""
+        kind = self.models.pop(model_id).spec.kind
+        if self.default_id != model_id:
+            return
+        same_kind = [mid for mid, rec in self.models.items() if rec.spec.kind == kind]
+        loaded = [mid for mid in same_kind if self.models[mid].status == "loaded"]
+        self.default_id = next(iter(loaded + same_kind), None)
+
+    def add_alias(self, model_id: str, alias: str) -> bool:
+        """Returns False (and changes nothing) when the alias already names this model."""
+        self._check_alias_for(model_id, alias)
+        if alias in self.models[model_id].aliases:
+            return False
         self.models[model_id].aliases.append(alias)
+        return True
 
     def set_default(self, name: str) -> str:
         self.default_id = self.resolve(name)
         return self.default_id
 
-    def move_default_from(self, model_id: str) -> None:
-        """After `model_id` was unloaded or removed: the default moves to the first loaded model, if any."""
-        if self.default_id not in (model_id, None):
-            return
-        loaded = self.ids_with_status("loaded")
-        if loaded:
-            self.default_id = loaded[0]
-        elif self.default_id is None and self.models:
-            self.default_id = next(iter(self.models))
+    def apply_config(self, config: RegistryConfig) -> ConfigChanges:
+        """Make the config the source of truth for what it declares: its models' specs (new ones are registered,
+        changed ones replaced), their aliases (added where free), and the default when the config's own value
+        changed since the last config. Models and aliases added at runtime, and a runtime default, are kept."""
+        changes = ConfigChanges()
+        for entry in config.models:
+            model_id = entry.spec.model_id
+            if model_id not in self.models:
+                self.check_new(model_id, entry.aliases)
+                self.add(entry.spec, entry.aliases)
+                changes.added.append(model_id)
+                changes.log.append(f"model `{model_id}` registered from the config")
+                continue
+            differences = spec_differences(self.models[model_id].spec, entry.spec)
+            if differences:
+                self.models[model_id].spec = entry.spec
+                changes.respecified.append(model_id)
+                changes.log.append(f"model `{model_id}`: spec changed by the config ({'; '.join(differences)})")
+            for alias in entry.aliases:
+                try:
+                    if self.add_alias(model_id, alias):
+                        changes.log.append(f"model `{model_id}`: alias `{alias}` added by the config")
+                except AliasConflictError as exc:
+                    changes.log.append(f"model `{model_id}`: config alias `{alias}` not added: {exc.message}")
+        declared = config.default_model or next((e.spec.model_id for e in config.models), None)
+        if declared != self.config_default:
+            if declared is not None:
+                self.set_default(declared)
+                changes.log.append(f"default set to `{self.default_id}` by the config (`{declared}`)")
+            self.config_default = declared
+        return changes
 
     # ------------------------------------------------------------ persistence
 
