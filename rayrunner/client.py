@@ -3,10 +3,12 @@
 A Runner is a client of the router deployment: every call goes through the router's `DeploymentHandle`, so Python,
 handles and HTTP share one behaviour. Errors come back as rayrunner's `ValueError` subclasses. A Runner is safe to
 use from many threads at once: concurrent requests reach the model deployment together and are batched there.
+Runners in one process share one service, so a second `Runner(which=...)` for a model attaches to it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Iterator
@@ -38,8 +40,12 @@ def _entry(model_id: str | None, which: Any, in_situ_quant: str | None, aliases:
 class Runner:
     """Serve one or more models on a (local or attached) Ray cluster and talk to them from Python.
 
-    `Runner(which=Which.Plain(model_id=...), in_situ_quant="Q4K")` starts Ray and Serve when none is running,
-    deploys the router, and loads the model. `Runner.connect()` attaches to a running rayrunner instead.
+    `Runner(which=Which.Plain(model_id=...), in_situ_quant="Q4K")` connects to Ray (the cluster named by
+    `address` or `RAY_ADDRESS`, or one started with `ray start`; else it starts its own), deploys the router if
+    there is none, and registers and loads the model, or attaches to it if it is registered with the same spec.
+    `Runner.connect()` attaches to a running rayrunner instead. `log_level` is the level of Ray's and Serve's
+    console output when this Runner connects to Ray; replica logs reach the console only at `INFO` or below
+    (they are always in Ray's log files).
     """
 
     def __init__(
@@ -53,13 +59,14 @@ class Runner:
         http_port: int = 8000,
         state_path: str | None = None,
         app_name: str = APP_NAME,
+        log_level: str | int = "WARNING",
         _models: list[dict[str, Any]] | None = None,
         _default: str | None = None,
     ) -> None:
         models = list(_models or [])
         if which is not None:
             models.insert(0, _entry(model_id, which, in_situ_quant, [], True, engine))
-        self._owns_cluster = _start_ray(address)
+        self._owns_cluster = _start_ray(address, log_level)
         self.app_name = app_name
         self._handle = _ensure_router(app_name, http_port, state_path, self._owns_cluster)
         for entry in models:
@@ -68,12 +75,13 @@ class Runner:
             self.set_default_model_id(_default)
 
     @classmethod
-    def connect(cls, address: str | None = "auto", app_name: str = APP_NAME) -> Runner:
+    def connect(cls, address: str | None = "auto", app_name: str = APP_NAME,
+                log_level: str | int = "WARNING") -> Runner:
         """Attach to a running rayrunner router (e.g. one started by `serve run serve_config.yaml`)."""
         from ray import serve
 
         runner = cls.__new__(cls)
-        runner._owns_cluster = _start_ray(address, attach_only=True)
+        runner._owns_cluster = _start_ray(address, log_level, attach_only=True)
         runner.app_name = app_name
         runner._handle = serve.get_app_handle(app_name)
         return runner
@@ -215,23 +223,42 @@ def _public_error(exc: BaseException) -> BaseException:
     return found if isinstance(found, RayRunnerError) else exc
 
 
-def _start_ray(address: str | None, attach_only: bool = False) -> bool:
-    """Connect to Ray; returns True when this call started a new local cluster (the Runner then owns it)."""
+def _start_ray(address: str | None, log_level: str | int, attach_only: bool = False) -> bool:
+    """Connect to Ray; returns True when this call started a new local cluster (the Runner then owns it).
+
+    Without an address it joins only a cluster named by `RAY_ADDRESS` or started with `ray start`, never some
+    other process's private cluster that `address="auto"` would find."""
     import ray
+    from ray._private.utils import read_ray_address
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return False
-    if attach_only or address is not None:
-        ray.init(address=address)
+    level = _level(log_level)
+    # Serve configures its driver-side logger when imported: import it first, then set the level.
+    import ray.serve  # noqa: F401
+
+    logging.getLogger("ray.serve").setLevel(level)
+    quiet: dict[str, Any] = {"logging_level": level, "log_to_driver": level <= logging.INFO}
+    if attach_only:
+        ray.init(address=address, **quiet)
         return False
-    try:
-        ray.init(address="auto")
+    existing = address or os.environ.get("RAY_ADDRESS") or read_ray_address()
+    if existing:
+        ray.init(address=existing, **quiet)
         return False
-    except ConnectionError:
-        ray.init(address="local", include_dashboard=True)
-        return True
+    ray.init(address="local", include_dashboard=True, **quiet)
+    return True
+
+
+def _level(log_level: str | int) -> int:
+    if isinstance(log_level, int):
+        return log_level
+    levels = logging.getLevelNamesMapping()
+    if log_level.upper() not in levels:
+        raise ValueError(f"log_level `{log_level}` is not one of {', '.join(levels)}")
+    return levels[log_level.upper()]
 
 
 def _ensure_router(app_name: str, http_port: int, state_path: str | None, fresh_cluster: bool) -> Any:

@@ -58,6 +58,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         dashboard_port=dashboard_port,
         runtime_env={"env_vars": env},
         logging_level="WARNING",
+        log_to_driver=False,  # replica logs stay in Ray's files, not between pytest's dots
     )
     serve.start(http_options={"host": "127.0.0.1", "port": http_port}, logging_config={"enable_access_log": False})
     yield {"http": f"http://127.0.0.1:{http_port}", "state_dir": tmp_path_factory.mktemp("registry")}
