@@ -162,26 +162,45 @@ def test_stream_in_flight_finishes_before_unload(service: Service) -> None:
 def test_default_switching_and_aliases(service: Service) -> None:
     ensure(service, "org/beta", "loaded")
     assert post(service, "default", model_id="b").json()["id"] == "org/beta"
+    assert post(service, "default", model_id="b").status_code == 200  # already the default: nothing to change
     assert service.http.get("/v1/models/default").json()["id"] == "org/beta"
     assert service.chat("hi", max_tokens=3).json()["model"] == "org/beta"
     assert post(service, "aliases", model_id="org/beta", alias="beta2").status_code == 200
+    again = post(service, "aliases", model_id="org/beta", alias="beta2")  # already so: nothing to change
+    assert again.status_code == 200 and again.json()["aliases"] == ["b", "beta2"]
     assert service.chat("hi", model="beta2", max_tokens=3).json()["model"] == "org/beta"
     clash = post(service, "aliases", model_id="alpha", alias="beta2")
     assert clash.status_code == 409 and clash.json()["error"]["code"] == "alias_conflict"
     reserved = post(service, "aliases", model_id="alpha", alias="default")
     assert reserved.status_code == 409
-    # Unloading the default moves it to another loaded model.
+    # Unloading the default leaves it the default; the next `default` request reloads it.
     assert post(service, "unload", model_id="org/beta").status_code == 200
-    assert service.http.get("/v1/models/default").json()["id"] == "alpha"
+    assert service.http.get("/v1/models/default").json()["id"] == "org/beta"
+    assert service.chat("hi", max_tokens=3).json()["model"] == "org/beta"
+    assert status(service, "org/beta") == "loaded"
     assert post(service, "default", model_id="alpha").status_code == 200
+
+
+def test_removing_the_default_moves_it_to_a_model_of_its_kind(service: Service, tiny_llama_dir: str) -> None:
+    embedding = {"type": "embedding", "model_id": "all-minilm-l6-v2"}
+    assert post(service, "add", model_id="emb", which=embedding, load=False).status_code == 201
+    which = {"type": "plain", "model_id": tiny_llama_dir}
+    assert post(service, "add", model_id="zeta", which=which, load=False).status_code == 201
+    assert post(service, "default", model_id="zeta").status_code == 200
+    assert post(service, "remove", model_id="zeta").status_code == 200
+    assert service.http.get("/v1/models/default").json()["id"] == "alpha"  # a loaded text model, not `emb`
+    assert post(service, "remove", model_id="emb").status_code == 200
 
 
 def test_add_and_remove_at_runtime(service: Service, tiny_llama_dir: str) -> None:
     which = {"type": "plain", "model_id": tiny_llama_dir}
     added = post(service, "add", model_id="gamma", which=which, aliases=["g"], load=False)
     assert added.status_code == 201 and added.json()["status"] == "unloaded"
-    duplicate = post(service, "add", model_id="gamma", which=which)
-    assert duplicate.status_code == 409 and duplicate.json()["error"]["code"] == "model_exists"
+    same = post(service, "add", model_id="gamma", which=which, aliases=["g"])  # the same spec: attach, and load
+    assert same.status_code in (200, 201) and same.json()["status"] == "loaded" and same.json()["aliases"] == ["g"]
+    other = post(service, "add", model_id="gamma", which=which, engine={"default_max_tokens": 7})
+    assert other.status_code == 409 and other.json()["error"]["code"] == "model_exists"
+    assert "engine.default_max_tokens: 256 -> 7" in other.json()["error"]["message"]
     alias_clash = post(service, "add", model_id="delta", which=which, aliases=["a"])
     assert alias_clash.status_code == 409 and alias_clash.json()["error"]["code"] == "alias_conflict"
     invalid = post(service, "add", model_id="bad", which={"type": "plain"})

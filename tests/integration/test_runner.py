@@ -1,5 +1,5 @@
-"""The Python API on a real cluster: mistral.rs's multi-model example step by step, the same operations through a
-DeploymentHandle, wrong use, and many threads sharing one Runner."""
+"""The Python API on a real cluster: mistral.rs's multi-model example step by step, a second Runner for the same
+model, the same operations through a DeploymentHandle, wrong use, and many threads sharing one Runner."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from rayrunner import (
     Architecture,
     ChatCompletionRequest,
     ModelAlreadyUnloadedError,
+    ModelExistsError,
     ModelLoadError,
     ModelNotFoundError,
+    MultiModelBuilder,
     Runner,
     Which,
 )
@@ -77,6 +79,25 @@ def test_multi_model_example_step_by_step(runner: Runner, tiny_llama_dir: str, t
     assert answer.model == "vision" and answer.usage.completion_tokens >= 1
     runner.remove_model("vision")
     assert "vision" not in dict(runner.list_models_with_status())
+
+
+def test_a_second_runner_for_the_same_model_attaches_to_it(runner: Runner, tiny_llama_dir: str) -> None:
+    """As mistral.rs's example does: a new `Runner(which=...)` per function, in one process, none shut down."""
+    which = Which.Plain(model_id=tiny_llama_dir)
+    again = Runner(which=which, in_situ_quant="Q8_0", model_id="text-a")
+    assert again.is_model_loaded("text-a")
+    loads = again.model_card("text-a")["load_count"]
+    again.unload_model("text-a")
+    Runner(which=which, in_situ_quant="Q8_0", model_id="text-a")  # attaches, and loads it again
+    assert runner.is_model_loaded("text-a") and runner.model_card("text-a")["load_count"] == loads + 1
+    with pytest.raises(ModelExistsError, match=r"different spec \(in_situ_quant: 'Q8_0' -> 'Q4K'\)"):
+        Runner(which=which, in_situ_quant="Q4K", model_id="text-a")
+    for _ in range(2):
+        built = (MultiModelBuilder().add_model(which, in_situ_quant="Q8_0", model_id="text-a")
+                 .add_model_with_alias("a", which, in_situ_quant="Q8_0", load=False).build())
+    assert built.model_card("a")["model_id"] == tiny_llama_dir
+    assert built.model_card("text-a")["spec"]["in_situ_quant"] == "Q8_0"
+    built.remove_model(tiny_llama_dir)
 
 
 def test_wrong_use_raises_documented_errors(runner: Runner, tiny_llama_dir: str) -> None:

@@ -1,5 +1,5 @@
 """`serve run serve_config.yaml` as users start it, then Runner.connect, the openai SDK, embeddings and a
-multimodal model side by side on the same service."""
+multimodal model side by side on the same service; unloading the default; `serve run` of an edited config."""
 
 from __future__ import annotations
 
@@ -32,20 +32,30 @@ def wait_until(check: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.5)
 
 
+def shipped_config(state_path: Path) -> dict[str, Any]:
+    config: dict[str, Any] = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    router = next(app for app in config["applications"] if app["name"] == "rayrunner")
+    router["args"]["state_path"] = str(state_path)
+    return config
+
+
+def serve_run(config: dict[str, Any], folder: Path) -> subprocess.Popen[bytes]:
+    import ray
+
+    path = folder / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    serve_cli = str(Path(sys.executable).parent / "serve")
+    return subprocess.Popen([serve_cli, "run", "--address", ray.get_runtime_context().gcs_address, str(path)],
+                            env={**os.environ}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 @pytest.fixture(scope="module")
 def served(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Any:
-    import ray
     from ray import serve
 
     cleanup_serve()
-    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    router = next(app for app in config["applications"] if app["name"] == "rayrunner")
-    router["args"]["state_path"] = str(tmp_path_factory.mktemp("served") / "registry.json")
-    path = tmp_path_factory.mktemp("config") / "serve_config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    serve_cli = str(Path(sys.executable).parent / "serve")
-    process = subprocess.Popen([serve_cli, "run", "--address", ray.get_runtime_context().gcs_address, str(path)],
-                               env={**os.environ}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state_path = tmp_path_factory.mktemp("served") / "registry.json"
+    processes = [serve_run(shipped_config(state_path), tmp_path_factory.mktemp("config"))]
 
     def running() -> bool:
         apps = serve.status().applications
@@ -53,9 +63,10 @@ def served(cluster: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) ->
                    for name in ("rayrunner", "smollm2-135m-instruct"))
 
     wait_until(running, 300, "serve run to bring every app up")
-    yield cluster
-    process.send_signal(signal.SIGTERM)  # SIGTERM leaves the apps running; clean them up ourselves
-    process.wait(timeout=60)
+    yield {**cluster, "state_path": state_path, "processes": processes}
+    for process in processes:
+        process.send_signal(signal.SIGTERM)  # SIGTERM leaves the apps running; clean them up ourselves
+        process.wait(timeout=60)
     cleanup_serve()
 
 
@@ -117,3 +128,41 @@ def test_text_embedding_and_multimodal_models_together(served: dict[str, Any], t
     embedding = http.post("/v1/embeddings", json={"model": "all-minilm-l6-v2", "input": "Hi"})
     assert text.status_code == 200 and embedding.status_code == 200
     runner.remove_model("vision")
+
+
+def test_unloading_the_default_keeps_it_the_default(served: dict[str, Any]) -> None:
+    """Seen: with the embedding model loaded, unloading SmolLM2 made it the default, and `default` chats got 400."""
+    import httpx
+
+    runner = Runner.connect()
+    assert runner.is_model_loaded("all-minilm-l6-v2")  # loaded by the embeddings test above
+    runner.unload_model("smollm2-135m-instruct")
+    assert runner.get_default_model_id() == "smollm2-135m-instruct"
+    body = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    reply = httpx.post(f"{served['http']}/v1/chat/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["model"] == "smollm2-135m-instruct" and runner.is_model_loaded("smollm2-135m-instruct")
+
+
+def test_serve_run_of_an_edited_config_takes_its_spec_and_default(served: dict[str, Any], tmp_path: Path) -> None:
+    runner = Runner.connect()
+    runner.set_default_model_id("minilm")  # a runtime default: kept while the config's default stays the same
+    config = shipped_config(served["state_path"])
+    smol = next(app for app in config["applications"] if app["name"] == "smollm2-135m-instruct")
+    smol["args"]["engine"] = {"default_max_tokens": 3}  # the router's entry shares these args (a YAML anchor)
+    router = next(app for app in config["applications"] if app["name"] == "rayrunner")
+    router["args"]["default_model"] = "smollm2-135m-instruct"
+    served["processes"].append(serve_run(config, tmp_path))
+
+    def applied() -> bool:
+        card = runner.model_card("smollm2-135m-instruct")
+        return card["spec"]["engine"]["default_max_tokens"] == 3 and card["status"] == "loaded"
+
+    wait_until(applied, 300, "the edited config to reach the registry")
+    assert runner.get_default_model_id() == "smollm2-135m-instruct"
+    question = ChatCompletionRequest(messages=[{"role": "user", "content": "What is the capital of France?"}])
+    reply = runner.send_chat_completion_request(question)
+    assert reply.usage.completion_tokens == 3  # the running replica has the config's spec
+    runner.unload_model("smollm2-135m-instruct")
+    reply = runner.send_chat_completion_request(question)
+    assert reply.usage.completion_tokens == 3  # and so does the one the registry reloads
