@@ -3,7 +3,8 @@
 Every sequence in a step keeps its own settings: the stage first runs each row's logits processors (penalties,
 logit bias; later features such as constrained decoding add processors of their own), then picks each row's token.
 Greedy rows take the argmax together; sampled rows are filtered together (temperature, top-k, top-p, min-p) and draw
-with their own `torch.Generator`, so a seeded reply does not depend on which requests share its batch.
+with their own `torch.Generator`, so a seeded reply does not depend on which requests share its batch (up to the
+rounding of its logits, which in bf16 differs a little inside a padded batch).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+_CANDIDATES = 512  # the most likely tokens a row is sampled from before the rest is looked at (see `_draw`)
 
 # A row's logits processor: (prompt ids, generated ids, logits of shape [vocab]) -> logits.
 LogitsProcessor = Callable[[list[int], list[int], torch.Tensor], torch.Tensor]
@@ -125,37 +128,36 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
 
 
 def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Filter every sampled row at once, then draw each with its own generator."""
-    device = logits.device
+    """Filter every sampled row at once (top-k, then top-p on the top-k renormalised as transformers does, then
+    min-p), then draw each row by inverse CDF with one uniform from its own generator.
+
+    Sorting the whole vocabulary, or drawing over all of it, costs more than a small model's forward pass, so the
+    work runs on each row's most likely `_CANDIDATES` tokens (or its larger top_k). That stays exact: a top-p nucleus
+    that reaches past them falls back to a full sort, and a row with no top-k/top-p keeps the rest as a tail that a
+    draw lands in with exactly the tail's probability (then drawn over the whole vocabulary)."""
+    device, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor([r.params.temperature for r in rows], device=device).unsqueeze(1)
-    logits = logits / temperature
-    top_k = [r.params.top_k for r in rows]
-    top_p = [r.params.top_p for r in rows]
-    min_p = [r.params.min_p for r in rows]
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _top_k_top_p(logits, top_k, top_p)
-    probs = torch.softmax(logits, dim=-1)
-    if any(p > 0 for p in min_p):
-        floor = torch.tensor(min_p, device=device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-        probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
-    # Exponential race (equivalent to drawing from `probs`): the argmax of p / E with E ~ Exp(1) from the row's own
-    # generator. A tiny change in p (another batch's rounding) moves the pick only near a tie, as with greedy,
-    # where inverse-CDF sampling would shift with every rounding error summed over the vocabulary.
-    noise = torch.stack([torch.empty_like(p).exponential_(generator=row.generator)
-                         for p, row in zip(probs, rows, strict=True)])
-    return torch.argmax(probs / noise, dim=-1)
-
-
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Logits with everything outside each row's top-k and top-p nucleus set to -inf (one sort for all rows)."""
-    vocab = logits.shape[-1]
-    ordered, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device).unsqueeze(1)
-    drop = ranks >= k
-    probs = torch.softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # probability mass of the tokens ranked above this one
-    p = torch.tensor(top_p, device=logits.device).unsqueeze(1)
-    drop |= (before >= p) & (p < 1.0)
-    ordered = ordered.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, ordered)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    k = torch.tensor([r.params.top_k or vocab for r in rows], device=device).unsqueeze(1)
+    p = torch.tensor([r.params.top_p for r in rows], device=device).unsqueeze(1)
+    floor = torch.tensor([r.params.min_p for r in rows], device=device).unsqueeze(1) * probs.max(-1, True).values
+    width = min(vocab, max([_CANDIDATES] + [r.params.top_k for r in rows]))
+    top, ids = probs.topk(width, dim=-1)
+    unbounded = (k > width) & (p >= 1.0)  # rows whose distribution goes on past the candidates
+    if width < vocab and not bool(((top.sum(-1, True) >= p) | (k <= width) | unbounded).all()):
+        width, (top, ids) = vocab, probs.sort(dim=-1, descending=True)  # a nucleus reaches past the candidates
+    ranks = torch.arange(width, device=device).unsqueeze(0)
+    kept = top.masked_fill(ranks >= k, 0.0)
+    share = kept / kept.sum(-1, True)
+    before = share.cumsum(-1) - share  # the mass of the candidates ranked above this one
+    kept = kept.masked_fill(((before >= p) & (p < 1.0)) | (kept < floor), 0.0)
+    above = probs.masked_fill(probs < floor, 0.0).sum(-1, True) - top.masked_fill(top < floor, 0.0).sum(-1, True)
+    tail = torch.where(unbounded & (width < vocab), above.clamp(min=0.0), 0.0)
+    cdf = kept.cumsum(-1)
+    uniform = torch.cat([torch.rand(1, generator=r.generator, device=device) for r in rows]).unsqueeze(1)
+    target = uniform * (cdf[:, -1:] + tail)
+    tokens = ids.gather(1, torch.searchsorted(cdf, target).clamp(max=width - 1)).squeeze(1)
+    for i in torch.nonzero((target >= cdf[:, -1:]) & (tail > 0)).flatten().tolist():  # the draw landed in a tail
+        rest = probs[i].scatter(0, ids[i], 0.0)
+        tokens[i] = torch.multinomial(rest.masked_fill(rest < floor[i], 0.0), 1, generator=rows[i].generator)[0]
+    return tokens

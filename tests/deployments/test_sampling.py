@@ -70,3 +70,17 @@ def test_penalties_push_away_from_seen_tokens() -> None:
     assert sample(logits.clone(), [_row(output=[3, 3], frequency_penalty=0.1)]) == [4]
     assert sample(logits.clone(), [_row(prompt=[3], repetition_penalty=1.5)]) == [4]
     assert sample(logits.clone(), [_row(prompt=[3], presence_penalty=0.5)]) == [3]  # OpenAI's: output only
+
+
+def test_draws_follow_the_distribution_past_the_candidates() -> None:
+    """A near-flat distribution over more tokens than the candidate window (the 512 most likely, ids 0-511 here):
+    the tail past the window is drawn exactly as often as its mass says, and a wide nucleus is not cut at the
+    window."""
+    vocab, draws = 2048, 4000
+    logits = -0.001 * torch.arange(vocab, dtype=torch.float32).unsqueeze(0)
+    tail_mass = float(torch.softmax(logits[0], -1)[512:].sum())
+    row = _row(temperature=1.0, seed=3)
+    picks = torch.tensor([sample(logits.clone(), [row])[0] for _ in range(draws)])
+    assert abs(float((picks >= 512).float().mean()) - tail_mass) < 0.04
+    nucleus = {sample(logits.clone(), [_row(temperature=1.0, top_p=0.9, seed=s)])[0] for s in range(300)}
+    assert max(nucleus) > 512
