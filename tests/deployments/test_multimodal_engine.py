@@ -162,3 +162,20 @@ def test_tiny_llava_projector_weights_are_random(model_dir: str) -> None:
     weights = load_file(str(Path(model_dir, "model.safetensors")))
     projector = [t for name, t in weights.items() if "multi_modal_projector" in name and name.endswith("weight")]
     assert len(projector) == 2 and all(t.float().std() > 0.01 for t in projector)
+
+
+async def test_concurrent_image_chats_share_the_batch_and_answer_as_alone(model_dir: str) -> None:
+    """Several image chats at once (each prefilled with its images, then decoded together in one batch) answer
+    exactly as each does alone (float32, so the batch's rounding cannot tip a near-tie)."""
+    engine32 = MultimodalEngine(build_spec("llava32", {"type": "multimodal_plain", "model_id": model_dir,
+                                                        "dtype": "f32"}))
+    try:
+        questions = [_ask("What is in this picture?", RED), _ask("Describe it.", NOISE),
+                     [{"role": "user", "content": "No image here."}], _ask("Compare.", RED, NOISE)]
+        alone = [_text(await _run(engine32, q, max_tokens=12)) for q in questions]
+        steps = engine32.scheduler.stats()["steps"]
+        together = await asyncio.gather(*(_run(engine32, q, max_tokens=12) for q in questions))
+        assert [_text(events) for events in together] == alone
+        assert engine32.scheduler.stats()["steps"] - steps <= 12 + len(questions)  # shared steps, not in turn
+    finally:
+        engine32.close()
