@@ -61,6 +61,7 @@ class StepScheduler:
         self._running: list[Sequence] = []
         self._batch: BatchCache | None = None
         self._chunking: tuple[Sequence, BatchCache] | None = None  # a long prompt being prefilled chunk by chunk
+        self._prefilling: list[Sequence] = []  # taken from the queue, not yet running
         self._closed = False
         self._thread: threading.Thread | None = None
         self.steps = 0
@@ -69,8 +70,7 @@ class StepScheduler:
 
     def submit(self, sequence: Sequence) -> None:
         with self._cond:
-            free = self.max_running - len(self._running) - (self._chunking is not None)
-            if len(self._waiting) >= self.limits.max_queued_requests + max(free, 0):
+            if len(self._waiting) >= self.limits.max_queued_requests + self._free_slots():
                 raise ServerOverloadedError(
                     f"the model's queue is full ({self.limits.max_queued_requests} requests waiting); retry shortly"
                 )
@@ -87,9 +87,13 @@ class StepScheduler:
 
     def stats(self) -> dict[str, int]:
         with self._cond:
-            return {"running": len(self._running) + (self._chunking is not None), "waiting": len(self._waiting),
+            return {"running": self.max_running - self._free_slots(), "waiting": len(self._waiting),
                     "steps": self.steps, "max_num_seqs": self.max_running,
                     "max_queued_requests": self.limits.max_queued_requests}
+
+    def _free_slots(self) -> int:
+        """Sequence slots no admitted sequence holds (call with the lock held)."""
+        return self.max_running - len(self._running) - len(self._prefilling) - (self._chunking is not None)
 
     def start(self) -> None:
         """Run steps in a daemon thread whenever there is work (tests may instead call `step` themselves)."""
@@ -127,16 +131,17 @@ class StepScheduler:
     def _drop_cancelled(self) -> None:
         with self._cond:
             self._waiting = collections.deque(s for s in self._waiting if not s.cancelled)
-        if self._chunking is not None and self._chunking[0].cancelled:
-            self._chunking = None
+            if self._chunking is not None and self._chunking[0].cancelled:
+                self._chunking = None
         self._retire()
 
     def _admit(self) -> list[Sequence]:
-        """The waiting sequences to prefill this step, within the free slots and the chunk's token budget."""
+        """Take the waiting sequences to prefill this step, within the free slots and the chunk's token budget: a
+        group of whole prompts (now `_prefilling`), or one long prompt that starts `_chunking`."""
         budget = self.limits.prefill_chunk_tokens
-        free = self.max_running - len(self._running) - (self._chunking is not None)
         group: list[Sequence] = []
         with self._cond:
+            free = self._free_slots()
             while self._waiting and len(group) < free:
                 candidate = self._waiting[0]
                 alone = bool(candidate.extra_inputs) or self._needs_chunks(candidate)
@@ -146,6 +151,10 @@ class StepScheduler:
                 group.append(self._waiting.popleft())
                 if alone:
                     break
+            if len(group) == 1 and self._needs_chunks(group[0]):
+                self._chunking = (group[0], BatchCache(new_cache(self.model.config), self._empty_mask(1)))
+                return []
+            self._prefilling = group
         return group
 
     def _needs_chunks(self, sequence: Sequence) -> bool:
@@ -155,15 +164,12 @@ class StepScheduler:
     def _prefill(self) -> None:
         if self._chunking is None:
             group = self._admit()
-            if not group:
-                return
-            if self._needs_chunks(group[0]):
-                self._chunking = (group[0], BatchCache(new_cache(self.model.config), self._empty_mask(1)))
-            else:
+            if group:
                 self._guarded(group, lambda: self._prefill_group(group))
                 return
-        sequence, cache = self._chunking
-        self._guarded([sequence], lambda: self._prefill_chunk(sequence, cache))
+        if self._chunking is not None:
+            sequence, cache = self._chunking
+            self._guarded([sequence], lambda: self._prefill_chunk(sequence, cache))
 
     def _prefill_group(self, group: list[Sequence]) -> None:
         """Prefill whole prompts as one left-padded batch, then sample each one's first token."""
@@ -188,17 +194,18 @@ class StepScheduler:
         logits = self._forward(ids, cache.mask_with(len(chunk)), positions, cache)
         sequence.prefilled += len(chunk)
         if sequence.prefilled == len(sequence.prompt_ids):
-            self._chunking = None
             self._started([sequence], logits, cache)
 
     def _started(self, group: list[Sequence], logits: torch.Tensor, cache: BatchCache) -> None:
         """Sequences whose prompt is in `cache`: take their first token and join the running batch."""
         self._sample(group, logits)
         if self._batch is None:
-            self._batch, self._running = cache, list(group)
+            self._batch = cache
         else:
             self._batch.merge(cache)
+        with self._cond:
             self._running.extend(group)
+            self._prefilling, self._chunking = [], None
         self._retire()
 
     def _decode(self) -> None:
@@ -225,7 +232,8 @@ class StepScheduler:
         keep = [i for i, s in enumerate(self._running) if not s.done]
         if len(keep) == len(self._running):
             return
-        self._running = [self._running[i] for i in keep]
+        with self._cond:
+            self._running = [self._running[i] for i in keep]
         if not keep:
             self._batch = None
         elif self._batch is not None:
@@ -252,6 +260,8 @@ class StepScheduler:
             logger.exception("generation failed for %d sequence(s)", len(sequences))
             for s in sequences:
                 s.fail(exc)
-            if self._chunking is not None and self._chunking[0] in sequences:
-                self._chunking = None
+            with self._cond:
+                self._prefilling = [s for s in self._prefilling if s not in sequences]
+                if self._chunking is not None and self._chunking[0] in sequences:
+                    self._chunking = None
             self._retire()

@@ -78,7 +78,8 @@ def test_full_queue_answers_429_with_retry_after(service: Service) -> None:
     with ThreadPoolExecutor(len(kinds)) as pool:  # at once: one runs, one waits, the others find the queue full
         responses = list(pool.map(send, kinds))
     refused = [stream for stream, r in zip(kinds, responses, strict=True) if r.status_code == 429]
-    assert sorted(refused) == [False] * 3 + [True] * 3, [r.status_code for r in responses]
+    # Exactly one running and one waiting are accepted; which two arrive first is up to the network.
+    assert len(refused) == len(kinds) - 2 and set(refused) == {False, True}, [r.status_code for r in responses]
     for response in responses:
         if response.status_code == 429:
             assert response.headers["retry-after"] == "1"

@@ -1,0 +1,82 @@
+"""The step scheduler seen over real HTTP on a real cluster: concurrent streams share steps, a short request is not
+stuck behind a long one, and a client that hangs up frees its slot."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from ray import serve
+
+from rayrunner.deployments.model_server import DEPLOYMENT
+from tests.conftest import Service, model_entry
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def service(cluster: dict[str, Any]) -> Iterator[Service]:
+    config = {"models": [model_entry(MODEL, MODEL)], "state_path": str(cluster["state_dir"] / "scheduling.json")}
+    svc = Service(cluster, config)
+    assert svc.chat("Hi", model=MODEL, max_tokens=2).status_code == 200  # loaded (the load runs in the background)
+    yield svc
+    svc.close()
+
+
+def scheduler_stats() -> dict[str, int]:
+    info: dict[str, Any] = serve.get_deployment_handle(DEPLOYMENT, app_name=MODEL).info.remote().result()
+    stats: dict[str, int] = info["extra"]["scheduler"]
+    return stats
+
+
+def stream_chat(service: Service, content: str, max_tokens: int) -> tuple[float, int]:
+    """Finish time (monotonic) and completion tokens of one streamed chat."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "stream": True}
+    tokens = 0
+    with httpx.Client(base_url=service.url, timeout=600) as http, \
+            http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            usage = json.loads(line[6:]).get("usage") if line.startswith("data: {") else None
+            tokens = usage["completion_tokens"] if usage else tokens
+    return time.monotonic(), tokens
+
+
+def test_sixteen_streams_run_as_one_batch(service: Service) -> None:
+    before = scheduler_stats()["steps"]
+    prompts = [f"Write a long story about a {topic}." for topic in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda p: stream_chat(service, p, 24), prompts))
+    assert all(tokens > 0 for _, tokens in results)
+    steps = scheduler_stats()["steps"] - before
+    assert steps < 2 * 24, f"{steps} steps for 16 x 24 tokens: the streams did not share steps"
+
+
+def test_a_short_request_is_not_stuck_behind_a_long_one(service: Service) -> None:
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(stream_chat, service, "Write a long story about a dragon.", 300)
+        time.sleep(2.0)
+        short_done, _ = stream_chat(service, "What is the capital of France?", 8)
+        long_done, long_tokens = long.result()
+    assert long_tokens > 100 and short_done < long_done
+
+
+def test_a_client_that_hangs_up_frees_its_slot(service: Service) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 2000,
+            "stream": True}
+    with httpx.Client(base_url=service.url, timeout=600) as http, \
+            http.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert scheduler_stats()["running"] == 1
+    deadline = time.monotonic() + 10
+    while scheduler_stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert scheduler_stats()["running"] == 0
