@@ -3,8 +3,10 @@
 Run: `python bench/bench_quantization.py` (add `--isq Q6K Q2K` for more levels, `--degrid` for the check below).
 
 Perplexity is measured on a fixed English text embedded here (~1.4k tokens, one forward pass: it fits the
-context). Bytes count the tied embedding / lm_head once (see `rayrunner.quantization.weights`). Decode speed is
-greedy `generate` of 32 tokens after a short warm-up, in process, on CPU.
+context). Bytes count the tied embedding / lm_head once (see `rayrunner.quantization.weights`). Decode speed goes
+through rayrunner's engine (`TextEngine.chat`, so the step scheduler runs the model as it does when serving):
+`--batches` concurrent greedy chats of `--tokens` tokens each, aggregate tok/s over the whole requests, the median
+of `--rounds` rounds that alternate the levels, so that every level sees the same machine load.
 
 Caveat: the builtin SmolLM2 is dequantized from a Q4_1 GGUF (Q8_0 embedding), so its Linear weights already sit on
 an asymmetric 4-bit grid in blocks of 32. int4 with groups of 32 re-finds that grid almost exactly and looks nearly
@@ -15,9 +17,11 @@ checkpoint that was never 4-bit, and measures the ratios against that noisy bf16
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +33,8 @@ from rayrunner.sources import SMOLLM2, resolve
 # Targets from the issue: (max bytes ratio, max perplexity ratio) against bf16.
 TARGETS = {"Q4K": (0.45, 1.15), "Q8_0": (0.62, 1.01)}
 Q4_1_BLOCK = 32
+CITIES = ("Paris", "Rome", "Vienna", "Prague", "Lisbon", "Madrid", "Berlin", "Warsaw", "Athens", "Dublin", "Oslo",
+          "Bern", "Budapest", "Riga", "Sofia", "Zagreb")
 
 TEXT = """\
 The river valleys of Europe have shaped the lives of the people who settled along them for thousands of
@@ -122,10 +128,10 @@ class Row:
     level: str
     weight_bytes: int
     perplexity: float
-    decode_tps: float
     load_seconds: float
     quantize_seconds: float
     applied: str
+    tokens_per_second: dict[int, float] = field(default_factory=dict)  # by number of concurrent chats
 
 
 def degrid(model: Any) -> None:
@@ -155,14 +161,6 @@ def perplexity(model: Any, ids: torch.Tensor) -> float:
         return math.exp(model(ids, labels=ids).loss.item())
 
 
-def decode_tokens_per_second(model: Any, prompt: torch.Tensor, tokens: int = 32) -> float:
-    with torch.inference_mode():
-        model.generate(prompt, max_new_tokens=4, do_sample=False)
-        start = time.perf_counter()
-        model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-    return tokens / (time.perf_counter() - start)
-
-
 def measure(folder: str, level: str, ids: torch.Tensor, noisy: bool) -> Row:
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
@@ -172,8 +170,48 @@ def measure(folder: str, level: str, ids: torch.Tensor, noisy: bool) -> Row:
     start = time.perf_counter()
     applied = quantize_model(model, level, "cpu")["applied"] if level != "bf16" else "bf16 (no quantization)"
     quantize_seconds = time.perf_counter() - start
-    decode_tps = decode_tokens_per_second(model, ids[:, :8])
-    return Row(level, weight_bytes(model), perplexity(model, ids), decode_tps, load_seconds, quantize_seconds, applied)
+    return Row(level, weight_bytes(model), perplexity(model, ids), load_seconds, quantize_seconds, applied)
+
+
+async def chats(engine: Any, streams: int, tokens: int) -> float:
+    """Aggregate tok/s of `streams` concurrent greedy chats of `tokens` tokens on `engine`."""
+    from rayrunner.deployments.sampling import SamplingParams
+    from rayrunner.protocol import ChatCompletionRequest
+
+    async def one(city: str) -> int:
+        request = ChatCompletionRequest(messages=[{"role": "user", "content": f"Tell me about the history of {city}."}])
+        events = [event async for event in engine.chat(request, SamplingParams(max_tokens=tokens))]
+        return events[-1].completion_tokens
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one(CITIES[i % len(CITIES)]) for i in range(streams)))
+    return sum(counts) / (time.perf_counter() - start)
+
+
+def decode_speeds(rows: list[Row], batches: list[int], tokens: int, rounds: int) -> None:
+    """Fill each row's tokens_per_second, alternating the levels within each round (after one warm-up round)."""
+    from rayrunner.deployments.text_engine import TextEngine
+    from rayrunner.spec import build_spec
+
+    which = {"type": "plain", "model_id": SMOLLM2}
+    engines = {row.level: TextEngine(build_spec(f"smollm2-{row.level}", which,
+                                                in_situ_quant=None if row.level == "bf16" else row.level))
+               for row in rows}
+    samples: dict[tuple[str, int], list[float]] = {}
+    loop = asyncio.new_event_loop()
+    try:
+        for round_ in range(rounds + 1):
+            for streams in batches:
+                for row in rows:
+                    speed = loop.run_until_complete(chats(engines[row.level], streams, tokens))
+                    if round_:
+                        samples.setdefault((row.level, streams), []).append(speed)
+    finally:
+        loop.close()
+        for engine in engines.values():
+            engine.close()
+    for row in rows:
+        row.tokens_per_second = {streams: statistics.median(samples[row.level, streams]) for streams in batches}
 
 
 def verdict(row: Row, base: Row) -> str:
@@ -186,11 +224,14 @@ def verdict(row: Row, base: Row) -> str:
 
 def print_table(rows: list[Row]) -> None:
     base = rows[0]
-    print(f"{'level':6} {'MiB':>6} {'vs bf16':>7} {'ppl':>7} {'vs bf16':>7} {'tok/s':>6} {'load s':>6} "
-          f"{'quant s':>7}  applied; target")
+    speeds = "".join(f" {f'tok/s x{streams}':>11} {'vs bf16':>7}" for streams in base.tokens_per_second)
+    print(f"{'level':6} {'MiB':>6} {'vs bf16':>7} {'ppl':>7} {'vs bf16':>7}{speeds} {'load s':>6} {'quant s':>7}"
+          "  applied; target")
     for row in rows:
+        speeds = "".join(f" {tps:11.1f} {tps / base.tokens_per_second[streams]:6.2f}x"
+                         for streams, tps in row.tokens_per_second.items())
         print(f"{row.level:6} {row.weight_bytes / 2**20:6.1f} {row.weight_bytes / base.weight_bytes:6.3f}x "
-              f"{row.perplexity:7.3f} {row.perplexity / base.perplexity:6.3f}x {row.decode_tps:6.1f} "
+              f"{row.perplexity:7.3f} {row.perplexity / base.perplexity:6.3f}x{speeds} "
               f"{row.load_seconds:6.2f} {row.quantize_seconds:7.2f}  {row.applied}; {verdict(row, base) or '-'}")
 
 
@@ -198,13 +239,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--isq", nargs="*", default=["Q8_0", "Q4K"], help="ISQ levels to compare with bf16")
     parser.add_argument("--degrid", action="store_true", help="move the weights off the Q4_1 grid first")
+    parser.add_argument("--batches", nargs="*", type=int, default=[1, 16], help="concurrent chats per measurement")
+    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per chat")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (the median is shown)")
     args = parser.parse_args()
     import_torchao_now()
     folder = resolve(SMOLLM2).path
     ids = AutoTokenizer.from_pretrained(folder)(prose(), return_tensors="pt").input_ids
     print(f"SmolLM2-135M-Instruct, CPU, {torch.get_num_threads()} threads, {ids.shape[1]} tokens"
-          f"{', de-gridded' if args.degrid else ''}")
-    print_table([measure(folder, level, ids, args.degrid) for level in ["bf16", *args.isq]])
+          f"{', de-gridded' if args.degrid else ''}; decode: {args.tokens} greedy tokens per chat, median of "
+          f"{args.rounds}")
+    rows = [measure(folder, level, ids, args.degrid) for level in ["bf16", *args.isq]]
+    if args.batches:
+        decode_speeds(rows, args.batches, args.tokens, args.rounds)
+    print_table(rows)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""In-situ quantization (ISQ): mistral.rs level names mapped onto torchao weight-only configs.
+"""In-situ quantization (ISQ): mistral.rs level names mapped onto weight-only formats (torchao, CPU int8 rows).
 
 `parse_isq` is torch-free (spec validation uses it); `quantize_model` and `weight_bytes` import torch and torchao
 only when called. The name-to-format table lives in `torchao_backend`.

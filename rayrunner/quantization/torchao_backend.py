@@ -1,40 +1,43 @@
-"""ISQ with torchao: pick a torchao config for an ISQ level on a device, then quantize a loaded model in place.
+"""ISQ with torchao: pick a format for an ISQ level on a device, then quantize a loaded model in place.
 
-torchao has no GGUF block formats, so every level becomes the nearest weight-only format that is *not worse*:
+torchao has no GGUF block formats, so every level becomes a weight-only format of at least its bits:
 
-| level                    | CPU                               | CUDA                               | exact |
-|--------------------------|-----------------------------------|------------------------------------|-------|
-| Q4_0 Q4_1 Q4K HQQ4 4     | int4 groups of 32                 | int4 (tinygemm) groups of 32       | yes   |
-| Q2K Q3K 2 3              | int4 groups of 32                 | int4 (tinygemm) groups of 32       | no    |
-| Q8_0 Q8_1 Q8K            | int8 symmetric, groups of 32      | int8 symmetric, groups of 32       | yes   |
-| HQQ8 8                   | int8 per output channel           | int8 per output channel            | yes   |
-| Q5_0 Q5_1 Q5K Q6K 5 6    | int8 per output channel           | int8 per output channel            | no    |
-| FP8                      | int8 per output channel           | float8 e4m3 per channel            | CUDA  |
+| level                 | CPU                     | CUDA                         | exact |
+|-----------------------|-------------------------|------------------------------|-------|
+| Q4_0 Q4_1 Q4K HQQ4 4  | int4 groups of 32       | int4 (tinygemm) groups of 32 | yes   |
+| Q2K Q3K 2 3           | int4 groups of 32       | int4 (tinygemm) groups of 32 | no    |
+| Q8_0 Q8_1 Q8K         | int8 rows (`int8_rows`) | int8 symmetric, groups of 32 | yes   |
+| HQQ8 8                | int8 rows (`int8_rows`) | int8 per output channel      | yes   |
+| Q5_0 Q5_1 Q5K Q6K 5 6 | int8 rows (`int8_rows`) | int8 per output channel      | no    |
+| FP8                   | int8 rows (`int8_rows`) | float8 e4m3 per channel      | CUDA  |
 
-On CPU every level also stores a tied embedding / lm_head pair once, as int8 in blocks of 32 (`tied_embedding`).
+On CPU every level also stores a tied embedding / lm_head pair once, as int8 with one scale per row
+(`tied_embedding`). CPU int8 rows (one scale per output channel) are rayrunner's `Int8Linear`, put in place
+of the Linear; every other format is a torchao tensor in the Linear's weight.
 
 Why these choices, measured on SmolLM2 with `bench/bench_quantization.py`:
 - Groups of 32 for 4-bit because the GGUF 4-bit types quantize in blocks of 32 (Q4K's super-blocks hold 32-wide
   sub-blocks with their own scale and min): groups of 64 cost +38% perplexity against +0.5% for 32. That checkpoint
   is itself dequantized Q4_1, which flatters 32; moved off that grid (`--degrid`) it is +51% against +7%. torchao's
   HQQ choice of scales looks better on the Q4_1 grid (+0.1%) but is far worse off it (+36%), so min/max it is.
-- The GGUF 8-bit names keep their blocks of 32: per-channel int8 costs +1.2% perplexity on SmolLM2 against +0.6%
-  for blocks. The price is CPU decode speed (torchao dequantizes grouped int8 on every call: about 10 tok/s against
-  about 24 for per-channel on SmolLM2), so the bare `8` stays per-channel for whoever prefers speed.
+- On CPU the GGUF 8-bit names take int8 rows too: torchao dequantizes int8 groups of 32 on every call (Q8_0 decoded
+  at about half of bf16's speed), while a per-row scale lets one int8 kernel call read the weight (decode steps
+  1.9x as fast as bf16's at batch 1, 0.9x at 16 sequences; details in `int8_rows`), for +0.85% perplexity against
+  +0.47% for blocks of 32: within the Q8_0 target of +1%. CUDA keeps the blocks (its speed was not measured here).
 
-Only `nn.Linear` layers are quantized by torchao. Each level is a chain of formats tried in order per Linear: its
-own, then those of the int8 rows below it (blocks of 32, then per channel). A Linear takes the first format whose
-kernel can hold its shape (checked up front: `QuantPlan.misfit`), and the report lists it under `fallback_layers`
-when that is not the level's own. It stays in the model's dtype, listed under `skipped_layers` with the reason, when
-no format fits, when its weight is tied to another module and could not be handled as a pair, or when it is already
-quantized.
+Each level is a chain of formats tried in order per Linear: its own, then those of the int8 rows below it (on CUDA
+blocks of 32, then per channel; on CPU int8 rows). A Linear takes the first format whose kernel can hold its shape
+(checked up front: `QuantPlan.misfit`), and the report lists it under `fallback_layers` when that is not the
+level's own. It stays in the model's dtype, listed under `skipped_layers` with the reason, when no format fits, when
+its weight is tied to another module and could not be handled as a pair, when it is already quantized, or when it
+is the whole model (a module cannot be replaced by itself).
 
 What each kernel needs, from torch and torchao's source:
 - int4 on CPU (`_convert_weight_to_int4pack_cpu`): out_features a multiple of 16, in_features of the group size.
 - int4 on CUDA (tinygemm): in_features a multiple of the group size, bfloat16 weights, compute capability 8.0+;
   torchao pads out_features to 8 and in_features to 1024 itself.
-- int8 in groups: in_features a multiple of the group size. Per-channel int8 and float8: any shape but a single
-  input column (torchao mis-shapes its scale).
+- int8 in groups: in_features a multiple of the group size. Per-channel int8 and float8 on CUDA: any shape but a
+  single input column (torchao mis-shapes its scale). CPU int8 rows: any shape.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from torchao.quantization.granularity import PerGroup
 from torchao.quantization.quantize_.workflows import Int4PackingFormat
 
 from rayrunner.errors import InvalidSpecError, ModelLoadError
+from rayrunner.quantization.int8_rows import Int8Linear
 from rayrunner.quantization.names import IsqLevel, parse_isq
 from rayrunner.quantization.tied_embedding import quantize_tied_embedding, tied_head_misfit
 from rayrunner.quantization.weights import weight_bytes
@@ -69,7 +73,7 @@ GROUP_SIZE = 32  # the GGUF block size
 CPU_INT4_ROWS = 16  # the CPU int4 kernel packs output rows 16 at a time
 TINYGEMM_MIN_CAPABILITY = (8, 0)
 GGUF_INT8_NAMES = frozenset({"Q8_0", "Q8_1", "Q8K"})
-TIED_EMBEDDING_NOTE = "; tied embedding/lm_head int8 g32"
+TIED_EMBEDDING_NOTE = "; tied embedding/lm_head int8 per-row"
 TIED_REASON = "weight tied to another module: quantizing it alone would make a second copy"
 DEVICES = ("cpu", "cuda")
 
@@ -78,15 +82,26 @@ Check = Callable[[torch.nn.Linear], str | None]
 
 @dataclass(frozen=True)
 class QuantPlan:
-    """One torchao weight-only format: its config, how the report names it, and what a Linear needs to take it."""
+    """One weight-only format: a torchao config (the weight becomes a torchao tensor) or a function building the
+    module that replaces the Linear; how the report names it; what a Linear needs to take it."""
 
-    config: AOBaseConfig
+    config: AOBaseConfig | Callable[[torch.nn.Linear], torch.nn.Module]
     applied: str
     checks: tuple[Check, ...] = ()
 
     def misfit(self, linear: torch.nn.Linear) -> str | None:
         """Why `linear` cannot take this format (the first need it misses), or None when it fits."""
         return next((why for check in self.checks if (why := check(linear)) is not None), None)
+
+    def apply(self, model: torch.nn.Module, names: list[str]) -> None:
+        """Quantize the Linears `names` of `model` to this format."""
+        if isinstance(self.config, AOBaseConfig):
+            quantize_(model, self.config, filter_fn=lambda _module, fqn: fqn in names)
+            return
+        for name in names:
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent)
+            setattr(owner, child, self.config(getattr(owner, child)))
 
 
 @dataclass
@@ -101,15 +116,17 @@ class Assignment:
 def plans_for(level: IsqLevel, device_type: str, capability: tuple[int, int] | None = None) -> tuple[QuantPlan, ...]:
     """The formats for `level` on `device_type` ("cpu" or "cuda") in the order a Linear tries them (see the module
     docstring); `capability` is the CUDA device's compute capability (None: not checked)."""
+    if device_type == "cpu":
+        rows = QuantPlan(Int8Linear.from_linear, "rayrunner int8 weight-only per-channel (CPU)")
+        return (_int4_plan(device_type, capability), rows) if level.bits <= 4 else (rows,)
     # set_inductor_config=False everywhere: rayrunner does not torch.compile, so leave global inductor flags alone.
-    where = device_type.upper()
     per_channel = QuantPlan(Int8WeightOnlyConfig(set_inductor_config=False),
-                            f"torchao int8 weight-only per-channel ({where})", (_two_columns,))
-    if level.is_float and device_type == "cuda":
+                            "torchao int8 weight-only per-channel (CUDA)", (_two_columns,))
+    if level.is_float:
         return (QuantPlan(Float8WeightOnlyConfig(set_inductor_config=False), "torchao float8 e4m3 weight-only (CUDA)",
                           (_two_columns,)),)
     grouped = QuantPlan(IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerGroup(GROUP_SIZE)),
-                        f"torchao int8 weight-only g{GROUP_SIZE} ({where})", (_whole_groups,))
+                        f"torchao int8 weight-only g{GROUP_SIZE} (CUDA)", (_whole_groups,))
     if level.bits <= 4:
         return _int4_plan(device_type, capability), grouped, per_channel
     if level.name in GGUF_INT8_NAMES:
@@ -175,7 +192,7 @@ def quantize_model(model: torch.nn.Module, isq: str, device: str) -> dict[str, A
         tied = quantize_tied_embedding(model)
         layers = assign_layers(model, plans, kept_head)
         for plan in plans:
-            quantize_(model, plan.config, filter_fn=lambda _module, fqn, plan=plan: layers.formats.get(fqn) is plan)
+            plan.apply(model, [name for name, fit in layers.formats.items() if fit is plan])
     except Exception as exc:
         raise ModelLoadError(f"in-situ quantization to {level.name} failed: {type(exc).__name__}: {exc}") from exc
     for name, entry in layers.fallback.items():
@@ -210,9 +227,11 @@ def assign_layers(model: torch.nn.Module, plans: tuple[QuantPlan, ...],
     tied = _tied_storages(model)
     layers = Assignment()
     for fqn, module in model.named_modules():
+        if isinstance(module, Int8Linear):
+            layers.skipped[fqn] = "already quantized (Int8Linear)"
         if not isinstance(module, torch.nn.Linear):
             continue
-        kept = _kept_reason(module, tied, kept_head)
+        kept = _kept_reason(fqn, module, tied, kept_head)
         fit = None if kept is not None else next((plan for plan in plans if plan.misfit(module) is None), None)
         if fit is None:
             # A chain ends with its most permissive format, so that one's misfit says why none fits.
@@ -224,9 +243,11 @@ def assign_layers(model: torch.nn.Module, plans: tuple[QuantPlan, ...],
     return layers
 
 
-def _kept_reason(linear: torch.nn.Linear, tied: set[int],
+def _kept_reason(fqn: str, linear: torch.nn.Linear, tied: set[int],
                  kept_head: tuple[torch.nn.Linear, str] | None) -> str | None:
     """Why `linear` stays as it is whatever the format, or None when formats may be tried."""
+    if not fqn:
+        return "the model itself is this Linear: ISQ quantizes the Linears inside a model"
     weight = linear.weight
     if type(weight.data) is not torch.Tensor:
         return f"already quantized ({type(weight.data).__name__})"

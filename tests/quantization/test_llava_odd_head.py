@@ -33,7 +33,7 @@ def test_q4k_reports_the_odd_head_as_an_int8_fallback(engine: MultimodalEngine) 
     report = engine.info().quantization
     assert report is not None and report["requested"] == "Q4K"
     head = report["fallback_layers"]["lm_head"]
-    assert head["applied"] == "torchao int8 weight-only g32 (CPU)"
+    assert head["applied"] == "rayrunner int8 weight-only per-channel (CPU)"
     assert str(ODD_HEAD_SIZE) in head["reason"]
     assert list(report["fallback_layers"]) == ["lm_head"] and report["skipped_layers"] == {}
 

@@ -25,11 +25,13 @@ def chain(isq: str, device_type: str, capability: tuple[int, int] | None = None)
 
 
 def test_each_level_falls_back_towards_per_channel_int8() -> None:
-    assert chain("Q4K", "cpu") == ["torchao int4 weight-only g32 (CPU)", "torchao int8 weight-only g32 (CPU)",
-                                   "torchao int8 weight-only per-channel (CPU)"]
+    assert chain("Q4K", "cpu") == ["torchao int4 weight-only g32 (CPU)", "rayrunner int8 weight-only per-channel (CPU)"]
+    assert chain("Q4K", "cuda", SM90) == ["torchao int4 weight-only g32 (CUDA)", "torchao int8 weight-only g32 (CUDA)",
+                                          "torchao int8 weight-only per-channel (CUDA)"]
     assert chain("Q8_0", "cuda", SM90) == ["torchao int8 weight-only g32 (CUDA)",
                                            "torchao int8 weight-only per-channel (CUDA)"]
-    assert chain("Q6K", "cpu") == ["torchao int8 weight-only per-channel (CPU)"]
+    for isq in ("Q8_0", "Q6K", "8", "FP8"):
+        assert chain(isq, "cpu") == ["rayrunner int8 weight-only per-channel (CPU)"]
     assert chain("FP8", "cuda", SM90) == ["torchao float8 e4m3 weight-only (CUDA)"]
 
 
@@ -56,8 +58,13 @@ def test_cuda_int4_needs_whole_groups_bf16_and_sm80(shape: tuple[int, int], dtyp
     check(plans_for(parse_isq("Q4K"), "cuda", capability)[0].misfit(linear(*shape, dtype)), why)
 
 
-@pytest.mark.parametrize(("isq", "device_type"), [("8", "cpu"), ("8", "cuda"), ("FP8", "cuda")])
-def test_per_channel_formats_hold_any_shape_but_a_single_column(isq: str, device_type: str) -> None:
+@pytest.mark.parametrize(("isq", "device_type"), [("8", "cuda"), ("FP8", "cuda")])
+def test_cuda_per_channel_formats_hold_any_shape_but_a_single_column(isq: str, device_type: str) -> None:
     plan = plans_for(parse_isq(isq), device_type, SM90)[0]
     assert plan.misfit(linear(33, 49153)) is None and plan.misfit(linear(2, 3)) is None
     assert "in_features 1" in str(plan.misfit(linear(1, 16)))
+
+
+def test_cpu_int8_rows_hold_any_shape() -> None:
+    plan = plans_for(parse_isq("Q8_0"), "cpu")[0]
+    assert all(plan.misfit(linear(*shape)) is None for shape in [(33, 49153), (2, 3), (1, 16)])
