@@ -189,27 +189,29 @@ async def chats(engine: Any, streams: int, tokens: int) -> float:
 
 
 def decode_speeds(rows: list[Row], batches: list[int], tokens: int, rounds: int) -> None:
-    """Fill each row's tokens_per_second, alternating the levels within each round (after one warm-up round)."""
+    """Fill each row's tokens_per_second, alternating the levels within each round (after one warm-up round). Each
+    level's engine is loaded for its turn and closed after it: two engines' compute threads in one process slow each
+    other down (see `rayrunner.deployments.compute_thread`), and a replica holds one."""
     from rayrunner.deployments.text_engine import TextEngine
     from rayrunner.spec import build_spec
 
     which = {"type": "plain", "model_id": SMOLLM2}
-    engines = {row.level: TextEngine(build_spec(f"smollm2-{row.level}", which,
-                                                in_situ_quant=None if row.level == "bf16" else row.level))
-               for row in rows}
     samples: dict[tuple[str, int], list[float]] = {}
     loop = asyncio.new_event_loop()
     try:
         for round_ in range(rounds + 1):
-            for streams in batches:
-                for row in rows:
-                    speed = loop.run_until_complete(chats(engines[row.level], streams, tokens))
-                    if round_:
-                        samples.setdefault((row.level, streams), []).append(speed)
+            for row in rows:
+                engine = TextEngine(build_spec(f"smollm2-{row.level}", which,
+                                               in_situ_quant=None if row.level == "bf16" else row.level))
+                try:
+                    for streams in batches:
+                        speed = loop.run_until_complete(chats(engine, streams, tokens))
+                        if round_:
+                            samples.setdefault((row.level, streams), []).append(speed)
+                finally:
+                    engine.close()
     finally:
         loop.close()
-        for engine in engines.values():
-            engine.close()
     for row in rows:
         row.tokens_per_second = {streams: statistics.median(samples[row.level, streams]) for streams in batches}
 

@@ -7,8 +7,9 @@ Without a python that imports mistralrs, only rayrunner's side runs, with a mess
 Both sides load the same weights, rayrunner's builtin bf16 SmolLM2 (`smollm2-135m-instruct`), and quantize them in
 situ to the same level name. rayrunner runs `TextEngine.chat`, so the step scheduler is what is measured; mistral.rs
 runs as a worker subprocess of the side venv's python, holding one `Runner` per level, and answers one request per
-line of stdin (on a stdout line marked `@@`). Requests alternate between the two sides, level by level, round by
-round, so both see the same machine load. Every request is the same greedy chat of `--tokens` tokens.
+line of stdin (on a stdout line marked `@@`). Level by level, requests alternate between the two sides round
+by round, so both see the same machine load (rayrunner holds one level's engine at a time, as a replica does).
+Every request is the same greedy chat of `--tokens` tokens.
 
 Figures: decode tok/s is completion tokens over the completion time each engine reports (`usage` in mistral.rs);
 wall tok/s is completion tokens over the whole request as the caller saw it. The table shows medians.
@@ -108,38 +109,47 @@ def mistralrs_folder(builtin: Path, target: Path) -> Path:
 
 
 class Rayrunner:
-    """rayrunner's engines, one per level, driven on one event loop."""
+    """rayrunner's engine for one level at a time (each engine has a compute thread, and two at once in one process
+    slow each other down: see `rayrunner.deployments.compute_thread`), driven on one event loop."""
 
-    def __init__(self, levels: list[str]) -> None:
+    def __init__(self) -> None:
+        self.level: str | None = None
+        self.engine: Any = None
+        self.loop = asyncio.new_event_loop()
+
+    def run(self, level: str, tokens: int) -> dict[str, Any]:
+        if level != self.level:
+            self._load(level)
+        return self.loop.run_until_complete(self._chat(tokens))
+
+    def _load(self, level: str) -> None:
         from rayrunner.deployments.text_engine import TextEngine
         from rayrunner.sources import SMOLLM2
         from rayrunner.spec import build_spec
 
+        if self.engine is not None:
+            self.engine.close()
         which = {"type": "plain", "model_id": SMOLLM2}
-        self.engines = {level: TextEngine(build_spec(f"smollm2-{level}", which,
-                                                     in_situ_quant=None if level == "bf16" else level))
-                        for level in levels}
-        self.loop = asyncio.new_event_loop()
+        self.engine = TextEngine(build_spec(f"smollm2-{level}", which,
+                                            in_situ_quant=None if level == "bf16" else level))
+        self.level = level
 
-    def run(self, level: str, tokens: int) -> dict[str, Any]:
-        return self.loop.run_until_complete(self._chat(level, tokens))
-
-    async def _chat(self, level: str, tokens: int) -> dict[str, Any]:
+    async def _chat(self, tokens: int) -> dict[str, Any]:
         from rayrunner.deployments.sampling import SamplingParams
         from rayrunner.protocol import ChatCompletionRequest
 
         request = ChatCompletionRequest(messages=[{"role": "user", "content": PROMPT}])
         start = time.perf_counter()
         text, last = "", None
-        async for event in self.engines[level].chat(request, SamplingParams(max_tokens=tokens)):
+        async for event in self.engine.chat(request, SamplingParams(max_tokens=tokens)):
             text, last = text + event.text, event
         wall = time.perf_counter() - start
         assert last is not None
         return {"tokens": last.completion_tokens, "decode_s": last.completion_time_s, "wall_s": wall, "text": text}
 
     def close(self) -> None:
-        for engine in self.engines.values():
-            engine.close()
+        if self.engine is not None:
+            self.engine.close()
         self.loop.close()
 
 
@@ -184,14 +194,14 @@ def main() -> None:
         print(f"mistral.rs side skipped: {why_not}. Install it in a side venv: python3 -m venv /tmp/mrs && "
               "/tmp/mrs/bin/pip install mistralrs; then pass --mistralrs-python /tmp/mrs/bin/python", file=sys.stderr)
     with tempfile.TemporaryDirectory() as scratch:
-        sides: dict[str, Any] = {"rayrunner": Rayrunner(args.levels)}
+        sides: dict[str, Any] = {"rayrunner": Rayrunner()}
         if why_not is None:
             sides["mistral.rs"] = MistralRs(args.mistralrs_python, mistralrs_folder(builtin, Path(scratch)),
                                             args.levels)
         results: dict[str, dict[str, list[dict[str, Any]]]] = {"rayrunner": {}, "mistral.rs": {}}
         try:
-            for round_ in range(args.rounds + 1):
-                for level in args.levels:
+            for level in args.levels:
+                for round_ in range(args.rounds + 1):
                     for name, side in sides.items():
                         run = side.run(level, args.tokens)
                         if round_:  # round 0 warms both sides up

@@ -7,7 +7,6 @@ transformers folder gets mean pooling. Forward passes run in a worker thread so 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any, Literal
 import torch
 from transformers import AutoModel
 
+from rayrunner.deployments.compute_thread import ComputeThread
 from rayrunner.deployments.engine import EmbeddingResult, Engine, EngineInfo, describe
 from rayrunner.errors import ModelLoadError
 from rayrunner.loading import load_model
@@ -93,7 +93,8 @@ class EmbeddingEngine(Engine):
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
-        self._loaded = load_model(spec, AutoModel)
+        self.compute = ComputeThread("embedding-engine")
+        self._loaded = self.compute.call(load_model, spec, AutoModel)
         self._model = self._loaded.model
         self._tokenizer = self._loaded.tokenizer
         if self._tokenizer.pad_token is None:
@@ -125,10 +126,13 @@ class EmbeddingEngine(Engine):
         vectors: list[list[float]] = []
         tokens = 0
         for start in range(0, len(texts), BATCH_SIZE):
-            batch_vectors, batch_tokens = await asyncio.to_thread(self._embed_batch, texts[start : start + BATCH_SIZE])
+            batch_vectors, batch_tokens = await self.compute.run(self._embed_batch, texts[start : start + BATCH_SIZE])
             vectors.extend(batch_vectors)
             tokens += batch_tokens
         return EmbeddingResult(vectors=vectors, prompt_tokens=tokens)
+
+    def close(self) -> None:
+        self.compute.shutdown()
 
     def _embed_batch(self, texts: list[str]) -> tuple[list[list[float]], int]:
         batch = self._tokenizer(

@@ -8,13 +8,13 @@ shared batch with everyone else's.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
+from rayrunner.deployments.compute_thread import ComputeThread, run_single_threaded
 from rayrunner.deployments.detokenizer import Detokenizer
 from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, describe
 from rayrunner.deployments.images import load_images
@@ -54,13 +54,14 @@ class MultimodalEngine(Engine):
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
-        self._loaded = load_model(spec, AutoModelForImageTextToText, with_processor=True)
+        self.compute = ComputeThread("multimodal-engine")
+        self._loaded = self.compute.call(load_model, spec, AutoModelForImageTextToText, True)
         self._model = self._loaded.model
         self._processor = self._loaded.processor
         self._tokenizer = self._processor.tokenizer
         self._eos_ids = stop_ids(self._model, self._tokenizer)
         self.scheduler = StepScheduler(self._model, scheduler_limits(spec.engine))
-        self.scheduler.start()
+        self.scheduler.start(self.compute)
 
     def info(self) -> EngineInfo:
         extra = {"model_type": self._model.config.model_type, "scheduler": self.scheduler.stats()}
@@ -69,7 +70,7 @@ class MultimodalEngine(Engine):
     async def chat(self, request: ChatCompletionRequest, params: SamplingParams) -> AsyncIterator[GenerationEvent]:
         conversation, urls = to_conversation(request.messages)
         images = await load_images(urls, self.spec.engine)
-        inputs = await asyncio.to_thread(self._inputs, conversation, images)
+        inputs = await run_single_threaded(self._inputs, conversation, images)
         prompt_ids = inputs["input_ids"][0].tolist()
         params.max_tokens = self._max_new_tokens(len(prompt_ids), params)
         extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
@@ -103,3 +104,4 @@ class MultimodalEngine(Engine):
 
     def close(self) -> None:
         self.scheduler.close()
+        self.compute.shutdown()

@@ -7,8 +7,9 @@ Every step it
    running streams wait at most one chunk per step,
 3. decodes one token for every running sequence in one forward pass over the shared `BatchCache`, with each
    sequence's own sampling settings (`sampling.sample`), and retires the ones that finished.
-Sequences join and leave between steps without recomputing anyone else's cache. Past `max_queued_requests`
-waiting sequences, `submit` refuses with `ServerOverloadedError` (HTTP 429).
+Sequences join and leave between steps without recomputing anyone else's cache. Past `max_queued_requests` waiting
+sequences, `submit` refuses with `ServerOverloadedError` (HTTP 429). The loop runs on the engine's `ComputeThread`,
+the thread that loaded the model (`compute_thread` says why one thread does all the work).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from rayrunner.deployments.compute_thread import ComputeThread
 from rayrunner.deployments.detokenizer import Detokenizer
 from rayrunner.deployments.engine import GenerationEvent
 from rayrunner.deployments.kv_batch import BatchCache, mergeable, new_cache
@@ -63,7 +66,7 @@ class StepScheduler:
         self._chunking: tuple[Sequence, BatchCache] | None = None  # a long prompt being prefilled chunk by chunk
         self._prefilling: list[Sequence] = []  # taken from the queue, not yet running
         self._closed = False
-        self._thread: threading.Thread | None = None
+        self._loop_done: Future[None] | None = None
         self.steps = 0
 
     # ------------------------------------------------------------ the request side
@@ -95,19 +98,18 @@ class StepScheduler:
         """Sequence slots no admitted sequence holds (call with the lock held)."""
         return self.max_running - len(self._running) - len(self._prefilling) - (self._chunking is not None)
 
-    def start(self) -> None:
-        """Run steps in a daemon thread whenever there is work (tests may instead call `step` themselves)."""
-        self._thread = threading.Thread(target=self._loop, name="step-scheduler", daemon=True)
-        self._thread.start()
+    def start(self, compute: ComputeThread) -> None:
+        """Run steps on `compute` whenever there is work (tests may instead call `step` themselves)."""
+        self._loop_done = compute.submit(self._loop)
 
     def close(self) -> None:
-        """Stop the thread after its current step. Joined, so the thread never outlives the engine's owner (a
+        """Stop the loop after its current step, and wait for it: the loop never outlives the engine's owner (a
         thread still dropping tensors while the interpreter exits aborts the process)."""
         with self._cond:
             self._closed = True
             self._cond.notify()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
+        if self._loop_done is not None:
+            self._loop_done.result(timeout=30)
 
     # ------------------------------------------------------------ the scheduler thread
 

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 from transformers import AutoModelForCausalLM
 
+from rayrunner.deployments.compute_thread import ComputeThread
 from rayrunner.deployments.detokenizer import Detokenizer
 from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, describe
 from rayrunner.deployments.sampling import SamplingParams
@@ -22,14 +23,15 @@ class TextEngine(Engine):
 
     def __init__(self, spec: ModelSpec, loaded: Loaded | None = None) -> None:
         self.spec = spec
-        self.loaded = loaded or load_model(spec, AutoModelForCausalLM)
+        self.compute = ComputeThread("text-engine")
+        self.loaded = loaded or self.compute.call(load_model, spec, AutoModelForCausalLM)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.eos_ids = stop_ids(self.model, self.tokenizer)
         config_limit = getattr(self.model.config, "max_position_embeddings", 0)
         self.max_seq_len = int(spec.engine.max_seq_len or config_limit or 4096)
         self.scheduler = StepScheduler(self.model, scheduler_limits(spec.engine))
-        self.scheduler.start()
+        self.scheduler.start(self.compute)
 
     def info(self) -> EngineInfo:
         extra = {"max_seq_len": self.max_seq_len, "model_type": self.model.config.model_type,
@@ -64,3 +66,4 @@ class TextEngine(Engine):
 
     def close(self) -> None:
         self.scheduler.close()
+        self.compute.shutdown()
