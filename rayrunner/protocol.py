@@ -47,6 +47,12 @@ def _not_yet_doc(what: str) -> str:
 
 
 TokenId = Annotated[int, Field(ge=0)]
+MAX_CHOICES = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = Field(False, description="Send a last chunk with no choices and the request's usage.")
 
 
 # ---------------------------------------------------------------- chat messages
@@ -70,10 +76,23 @@ class ImagePart(BaseModel):
 ContentPart = TextPart | ImagePart
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="The call's arguments as a JSON object, encoded as a string.")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant message's calls (history).")
+    tool_call_id: str | None = Field(None, description="A `tool` message: the id of the call it answers.")
 
     def text(self) -> str:
         """The message's text, with image parts left out."""
@@ -117,8 +136,10 @@ class SamplingFields(_Lenient):
     stop_token_ids: list[TokenId] | None = Field(None, description="vLLM extension: stop once one of these token "
                                                  "ids is generated.")
     seed: int | None = Field(None, description="Seed for sampling, for repeatable answers.")
-    n: Annotated[int | None, _not_yet(1, None)] = Field(1, description=_not_yet_doc("Choices to generate."))
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES, description="Choices to generate from the one prompt (its "
+                          f"prefill is shared), at most {MAX_CHOICES}; a seed gives choice i the seed + i.")
     stream: bool = False
+    stream_options: StreamOptions | None = None
 
     @field_validator("model", mode="before")
     @classmethod
@@ -131,21 +152,60 @@ class SamplingFields(_Lenient):
         return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema", description="A JSON Schema.")
+    strict: bool | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs `json_schema`")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}},
+                                       description="A JSON Schema for the arguments object.")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Same as max_tokens (wins over it).")
-    logprobs: Annotated[bool | None, _not_yet(False, None)] = Field(
-        None, description=_not_yet_doc("Return each output token's log probability."))
-    top_logprobs: Annotated[int | None, _not_yet(0, None)] = Field(
-        None, description=_not_yet_doc("Also return the most likely alternatives at each position."))
-    response_format: Annotated[dict[str, Any] | None, _not_yet({"type": "text"}, None)] = Field(
-        None, description=_not_yet_doc("Constrain the output, e.g. to JSON."))
-    tools: Annotated[list[dict[str, Any]] | None, _not_yet([], None)] = Field(
-        None, description=_not_yet_doc("Functions the model may call."))
-    tool_choice: Annotated[str | dict[str, Any] | None, _not_yet("none", None)] = Field(
-        None, description=_not_yet_doc("Whether and which tool to call."))
-    parallel_tool_calls: Annotated[bool | None, _not_yet(True, None)] = Field(
-        None, description=_not_yet_doc("Allow several tool calls in one answer."))
+    logprobs: bool | None = Field(None, description="Return each output token's log probability.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Also return this many most "
+                                     "likely alternatives at each position (needs logprobs).")
+    response_format: ResponseFormat | None = Field(None, description="`text`, `json_object` (any JSON object) or "
+                                                   "`json_schema` (output valid for the schema).")
+    tools: list[Tool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="`auto` (default with tools), `none`, `required`, or one named function.")
+    parallel_tool_calls: bool | None = Field(None, description="Allow several calls in one answer (default true).")
     functions: Annotated[list[dict[str, Any]] | None, _not_yet([], None)] = Field(
         None, description=_not_yet_doc("Deprecated form of tools."))
     function_call: Annotated[str | dict[str, Any] | None, _not_yet("none", None)] = Field(
@@ -157,16 +217,29 @@ class ChatCompletionRequest(SamplingFields):
             self.max_tokens = self.max_completion_tokens
         return self
 
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have the same name")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names `{self.tool_choice.function.name}`, which is not among the tools")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice `required` needs tools")
+        return self
+
     def has_images(self) -> bool:
         return any(m.image_urls() for m in self.messages)
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] = Field(description="One prompt (a list must hold exactly one).")
-    echo: Annotated[bool | None, _not_yet(False, None)] = Field(
-        None, description=_not_yet_doc("Return the prompt before the completion."))
-    logprobs: Annotated[int | None, _not_yet(None)] = Field(
-        None, description=_not_yet_doc("Return log probabilities of this many most likely tokens."))
+    echo: bool | None = Field(None, description="Return the prompt before the completion (with its logprobs "
+                              "when logprobs is set; the first token has none).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Return each token's log "
+                                 "probability and this many most likely alternatives.")
     best_of: Annotated[int | None, _not_yet(1, None)] = Field(
         None, description=_not_yet_doc("Generate this many and return the best."))
     suffix: Annotated[str | None, _not_yet(None, "")] = Field(
@@ -236,15 +309,40 @@ class Usage(BaseModel):
         )
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -256,15 +354,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str] | None = Field(None, description="`name` in the first piece, then `arguments` text.")
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -280,6 +387,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

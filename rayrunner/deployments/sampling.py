@@ -39,6 +39,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # None: off; k: each chosen token's logprob and the k most likely alternatives
+    n: int = 1  # choices from one prompt (the scheduler prefills once and forks the cache)
+    # Makes a fresh processor per sequence that masks the tokens a grammar forbids (structured output, tool calls).
+    constraint: Callable[[], LogitsProcessor] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -53,6 +57,8 @@ class SamplingParams:
             found.append(_openai_penalties(self.presence_penalty, self.frequency_penalty))
         if self.logit_bias:
             found.append(_logit_bias(self.logit_bias))
+        if self.constraint is not None:
+            found.append(self.constraint())  # last: nothing after it may re-allow a token the grammar forbids
         return found
 
 
