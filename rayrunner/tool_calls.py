@@ -1,10 +1,11 @@
 """Tool calls in generated text: the model family's output format, a parser for whole and streamed output, and the
 JSON Schema that constrains a forced call (`tool_choice` `required` or a named function).
 
-Formats: Hermes/Qwen (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call), Llama 3.x
-JSON (`{"name": ..., "parameters": {...}}` at the start of the answer or after a call, or after `<|python_tag|>`)
-and Mistral (`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`). Text that looks like a call but is not a valid
-one stays content. Whitespace (and Llama's `;`) touching a call is dropped. Pure Python: no torch, no transformers.
+Formats: Hermes/Qwen (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call, or a JSON
+array of calls in one block as SmolLM2 writes them), Llama 3.x JSON (`{"name": ..., "parameters": {...}}` at the
+start of the answer or after a call, or after `<|python_tag|>`) and Mistral (`[TOOL_CALLS][{"name": ...,
+"arguments": {...}}, ...]`). Text that looks like a call but is not a valid one stays content. Whitespace (and
+Llama's `;`) touching a call is dropped. Pure Python: no torch, no transformers.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class _JsonEnd:
 _OPENERS = {ToolFormat.HERMES: ("<tool_call>",), ToolFormat.LLAMA: ("<|python_tag|>",),
             ToolFormat.MISTRAL: ("[TOOL_CALLS]",)}
 _CLOSER = {ToolFormat.HERMES: "</tool_call>", ToolFormat.LLAMA: "", ToolFormat.MISTRAL: ""}
-_BODY = {ToolFormat.HERMES: "{", ToolFormat.LLAMA: "{", ToolFormat.MISTRAL: "["}
+_BODY = {ToolFormat.HERMES: "{[", ToolFormat.LLAMA: "{", ToolFormat.MISTRAL: "["}  # what a call's JSON opens with
 _PENDING = None  # a call's verdict needs more text
 _Verdict = tuple[list[ParsedCall] | None, int] | None  # (calls, or None when malformed; text consumed) | pending
 
@@ -207,7 +208,7 @@ class ToolCallStream:
         body = len(buf) - len(buf[len(marker):].lstrip(_WS))
         if body == len(buf):
             return malformed if final else _PENDING
-        if buf[body] != _BODY[self.fmt]:
+        if buf[body] not in _BODY[self.fmt]:
             return malformed
         self._scan = self._scan or _JsonEnd(body)
         end = self._scan.find(buf)

@@ -35,6 +35,8 @@ CASES: list[tuple[ToolFormat, str, str | None, list[tuple[str, dict[str, Any]]]]
      "Let me look.", [("weather", WEATHER), ("time", {"tz": "}</tool_call>"})]),
     (H, 'a<tool_call>{"name": "f", "arguments": {}}</tool_call>b', "ab", [("f", {})]),
     (H, '<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}', None, [("f", {"x": 1})]),  # unclosed at the end
+    (H, '<tool_call>[{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]</tool_call>',
+     None, [("f", {"a": 1}), ("g", {})]),
     (H, "x < y and <tool_ is not a call <tool_call", "x < y and <tool_ is not a call <tool_call", []),
     (H, "No tools needed.\n", "No tools needed.\n", []),
     (H, "", None, []),
