@@ -164,8 +164,9 @@ class ToolCallStream:
 
     def _drain(self, final: bool) -> list[Piece]:
         pieces: list[Piece] = []
-        while self._call_step(pieces, final) if self._in_call else self._content_step(pieces, final):
-            pass
+        progress = True
+        while progress:
+            progress = self._call_step(pieces, final) if self._in_call else self._content_step(pieces, final)
         return pieces
 
     def _content_step(self, pieces: list[Piece], final: bool) -> bool:
