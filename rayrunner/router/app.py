@@ -30,6 +30,7 @@ from rayrunner.protocol import (
 )
 from rayrunner.registry_state import RegistryConfig
 from rayrunner.router import cards
+from rayrunner.router.responses_api import ResponsesRequest, event_frames, stream_events, to_chat_request, to_response
 from rayrunner.router.service import _GENERATES, RouterService
 
 B = TypeVar("B", bound=BaseModel)
@@ -78,12 +79,17 @@ def _invalid(errors: Any) -> InvalidRequestError:
     return InvalidRequestError(f"{'.'.join(loc)}: {first['msg']}", param=loc[0])
 
 
-def validated(model: type[B], body: dict[str, Any]) -> dict[str, Any]:
+def parsed(model: type[B], body: dict[str, Any]) -> B:
     """A handle caller's body checked like an HTTP one: invalid input is an InvalidRequestError."""
     try:
-        return model.model_validate(body).model_dump()
+        return model.model_validate(body)
     except ValidationError as exc:
         raise _invalid(exc.errors()) from None
+
+
+def validated(model: type[B], body: dict[str, Any]) -> dict[str, Any]:
+    """`parsed`, as the dict a model deployment takes."""
+    return parsed(model, body).model_dump()
 
 
 def sse(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
@@ -128,6 +134,12 @@ class Router:
     @api.post("/v1/embeddings")
     async def http_embed(self, body: EmbeddingRequest) -> Any:
         return await self._infer("embed", body.model_dump(), {"embedding"})
+
+    @api.post("/v1/responses")
+    async def http_responses(self, body: ResponsesRequest) -> Any:
+        if body.stream:
+            return StreamingResponse(event_frames(await self._response_events(body)), media_type="text/event-stream")
+        return await self._respond(body)
 
     @api.get("/health")
     async def health(self) -> dict[str, str]:
@@ -195,6 +207,24 @@ class Router:
 
     async def embed(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self._infer("embed", validated(EmbeddingRequest, body), {"embedding"})
+
+    async def responses(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The Responses API (`POST /v1/responses`'s body): a Response object."""
+        return await self._respond(parsed(ResponsesRequest, body))
+
+    async def responses_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Responses streaming events for handles: `handle.options(stream=True).responses_stream.remote(body)`."""
+        async for event in await self._response_events(parsed(ResponsesRequest, {**body, "stream": True})):
+            yield event
+
+    async def _respond(self, request: ResponsesRequest) -> dict[str, Any]:
+        chat = await self._infer("chat", validated(ChatCompletionRequest, to_chat_request(request)), _GENERATES)
+        return to_response(chat, request)
+
+    async def _response_events(self, request: ResponsesRequest) -> AsyncIterator[dict[str, Any]]:
+        """The stream's events, its first chunk already received (so errors before any output keep their status)."""
+        chat = validated(ChatCompletionRequest, to_chat_request(request))
+        return stream_events(await self._open_stream("chat_stream", chat), request)
 
     async def _infer(self, method: str, body: dict[str, Any], kinds: set[str]) -> dict[str, Any]:
         try:
