@@ -14,8 +14,10 @@ import asyncio
 import ctypes
 import functools
 import logging
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import torch
@@ -25,13 +27,18 @@ T = TypeVar("T")
 
 
 class ComputeThread:
-    """A single worker thread: `call` blocks on a function run there, `run` awaits one, `submit` starts a long one."""
+    """A single daemon worker thread (an idle one never holds up the interpreter's exit, unlike an executor's):
+    `call` blocks on a function run there, `run` awaits one, `submit` starts a long one."""
 
     def __init__(self, name: str) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        return self._executor.submit(fn, *args)
+        future: Future[T] = Future()
+        self._jobs.put((functools.partial(fn, *args), future))
+        return future
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         return self.submit(fn, *args).result()
@@ -40,8 +47,20 @@ class ComputeThread:
         return await asyncio.wrap_future(self.submit(fn, *args))
 
     def shutdown(self) -> None:
-        """Wait for what was submitted, then end the thread (its OpenMP pool goes with it)."""
-        self._executor.shutdown(wait=True)
+        """Finish what was submitted, then end the thread (its OpenMP pool goes with it)."""
+        self._jobs.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            call, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
 
 
 @functools.cache
