@@ -236,6 +236,8 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] = Field(description="One prompt (a list must hold exactly one).")
+    max_tokens: int | None = Field(None, ge=0, description="Most tokens to generate (0 only with echo: score the "
+                                   "prompt).")
     echo: bool | None = Field(None, description="Return the prompt before the completion (with its logprobs "
                               "when logprobs is set; the first token has none).")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Return each token's log "
@@ -251,6 +253,12 @@ class CompletionRequest(SamplingFields):
         if isinstance(value, list) and len(value) != 1:
             raise ValueError("only one prompt per request is supported")
         return value
+
+    @model_validator(mode="after")
+    def _zero_tokens_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 is only meaningful with echo (to score the prompt)")
+        return self
 
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]

@@ -45,6 +45,14 @@ class Detokenizer:
         self._ids: list[int] = []
         self._passed = 0  # characters of the decoded text already handed to the stop filter
 
+    def copy_empty(self) -> Detokenizer:
+        """A fresh detokenizer with the same tokenizer and stop strings (for another choice of the request)."""
+        return Detokenizer(self._tokenizer, self._stops.stops)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (for logprobs)."""
+        return str(self._tokenizer.decode([token_id]))
+
     @property
     def num_tokens(self) -> int:
         return len(self._ids)

@@ -42,7 +42,7 @@ def build_engine(spec: ModelSpec) -> Engine:
 def sampling_params(request: SamplingFields, settings: EngineSettings) -> SamplingParams:
     """Resolved settings: unset fields take their neutral value; unset or zero temperature means greedy."""
     return SamplingParams(
-        max_tokens=request.max_tokens or settings.default_max_tokens,
+        max_tokens=request.max_tokens if request.max_tokens is not None else settings.default_max_tokens,
         temperature=request.temperature or 0.0,
         top_p=request.top_p if request.top_p is not None else 1.0,
         top_k=request.top_k or 0,
@@ -54,7 +54,18 @@ def sampling_params(request: SamplingFields, settings: EngineSettings) -> Sampli
         frequency_penalty=request.frequency_penalty or 0.0,
         repetition_penalty=request.repetition_penalty or 1.0,
         logit_bias=dict(request.logit_bias or {}),
+        n=request.n or 1,
+        **_logprob_settings(request),
     )
+
+
+def _logprob_settings(request: SamplingFields) -> dict[str, Any]:
+    """Chat: `logprobs` + `top_logprobs`; completions: `logprobs` (the alternatives' count) and `echo`."""
+    if isinstance(request, ChatCompletionRequest):
+        return {"logprobs": (request.top_logprobs or 0) if request.logprobs else None}
+    if isinstance(request, CompletionRequest):
+        return {"logprobs": request.logprobs, "prompt_logprobs": bool(request.echo) and request.logprobs is not None}
+    return {}
 
 
 class ModelServer:
@@ -69,23 +80,23 @@ class ModelServer:
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         request = ChatCompletionRequest.model_validate(body)
         events = self.engine.chat(request, sampling_params(request, self.spec.engine))
-        return (await responses.chat_response(self.spec.model_id, events)).model_dump()
+        return (await responses.chat_response(self.spec.model_id, events, request)).model_dump()
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         request = ChatCompletionRequest.model_validate(body)
         events = self.engine.chat(request, sampling_params(request, self.spec.engine))
-        async for chunk in responses.chat_chunks(self.spec.model_id, events):
+        async for chunk in responses.chat_chunks(self.spec.model_id, events, request):
             yield chunk.model_dump(exclude_none=True)
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         request = CompletionRequest.model_validate(body)
         events = self.engine.complete(request, sampling_params(request, self.spec.engine))
-        return (await responses.completion_response(self.spec.model_id, events)).model_dump()
+        return (await responses.completion_response(self.spec.model_id, events, request)).model_dump()
 
     async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         request = CompletionRequest.model_validate(body)
         events = self.engine.complete(request, sampling_params(request, self.spec.engine))
-        async for chunk in responses.completion_chunks(self.spec.model_id, events):
+        async for chunk in responses.completion_chunks(self.spec.model_id, events, request):
             yield chunk.model_dump(exclude_none=True)
 
     async def embed(self, body: dict[str, Any]) -> dict[str, Any]:

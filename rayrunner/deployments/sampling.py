@@ -40,6 +40,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: off; k: each chosen token's logprob and the k most likely alternatives
+    prompt_logprobs: bool = False  # completions `echo` with logprobs: the prompt's tokens' logprobs too
     n: int = 1  # choices from one prompt (the scheduler prefills once and forks the cache)
     # Makes a fresh processor per sequence that masks the tokens a grammar forbids (structured output, tool calls).
     constraint: Callable[[], LogitsProcessor] | None = None
@@ -120,6 +121,31 @@ def new_generator(params: SamplingParams, device: torch.device) -> torch.Generat
     else:
         generator.manual_seed(params.seed)
     return generator
+
+
+@dataclass
+class Logprob:
+    """A token id's log probability and the `top` (id, logprob) pairs at its position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def logprobs_of(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[Logprob]:
+    """Each row's `tokens[row]` under the log-softmax of that row of `logits` ([rows, vocab], the model's raw
+    logits: before penalties, bias and temperature), with the row's `top` most likely tokens."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(list(tokens), dtype=torch.long, device=logits.device).unsqueeze(1)
+    chosen = logprobs.gather(1, index).squeeze(1).tolist()
+    if top:
+        values, ids = logprobs.topk(top, dim=-1)
+        pairs = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    else:
+        pairs = [[] for _ in chosen]
+    for token, row in zip(tokens, pairs, strict=True):  # among equal logprobs the chosen token comes first
+        row.sort(key=lambda pair: (-pair[1], pair[0] != token))
+    return [Logprob(t, c, p) for t, c, p in zip(tokens, chosen, pairs, strict=True)]
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:

@@ -28,11 +28,11 @@ import torch
 
 from rayrunner.deployments.compute_thread import ComputeThread
 from rayrunner.deployments.detokenizer import Detokenizer
-from rayrunner.deployments.engine import GenerationEvent
+from rayrunner.deployments.engine import GenerationEvent, TokenLogprob
 from rayrunner.deployments.kv_batch import BatchCache, mergeable, new_cache
-from rayrunner.deployments.sampling import SamplingParams, sample
+from rayrunner.deployments.sampling import Logprob, SamplingParams, logprobs_of, sample
 from rayrunner.deployments.sequence import Sequence, events_of
-from rayrunner.errors import ServerOverloadedError
+from rayrunner.errors import InvalidRequestError, ServerOverloadedError
 from rayrunner.spec import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -82,9 +82,13 @@ class StepScheduler:
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, detokenizer: Detokenizer, eos_ids: set[int],
                  extra_inputs: dict[str, torch.Tensor] | None = None) -> AsyncIterator[GenerationEvent]:
-        """Queue a sequence (from the replica's event loop) and return its events."""
+        """Queue a request's sequence, with a fork per extra choice (from the replica's event loop); its events."""
+        if params.n > self.max_running:
+            raise InvalidRequestError(f"n is {params.n}; this model runs at most {self.max_running} sequences at once",
+                                      param="n")
         sequence = Sequence(prompt_ids, params, detokenizer, eos_ids, asyncio.get_running_loop(),
                             extra_inputs=extra_inputs or {})
+        sequence.forks = [sequence.fork(i) for i in range(1, params.n)]
         self.submit(sequence)
         return events_of(sequence)
 
@@ -96,7 +100,8 @@ class StepScheduler:
 
     def _free_slots(self) -> int:
         """Sequence slots no admitted sequence holds (call with the lock held)."""
-        return self.max_running - len(self._running) - len(self._prefilling) - (self._chunking is not None)
+        held = len(self._running) + sum(s.slots for s in self._prefilling)
+        return self.max_running - held - (self._chunking[0].slots if self._chunking is not None else 0)
 
     def start(self, compute: ComputeThread) -> None:
         """Run steps on `compute` whenever there is work (tests may instead call `step` themselves)."""
@@ -144,11 +149,11 @@ class StepScheduler:
         group: list[Sequence] = []
         with self._cond:
             free = self._free_slots()
-            while self._waiting and len(group) < free:
+            while self._waiting and sum(s.slots for s in group) + self._waiting[0].slots <= free:
                 candidate = self._waiting[0]
-                alone = bool(candidate.extra_inputs) or self._needs_chunks(candidate)
+                alone = self._alone(candidate)
                 longest = max([len(s.prompt_ids) for s in group] + [len(candidate.prompt_ids)])
-                if group and (alone or longest * (len(group) + 1) > budget):
+                if group and (alone or self._alone(group[0]) or longest * (len(group) + 1) > budget):
                     break
                 group.append(self._waiting.popleft())
                 if alone:
@@ -158,6 +163,10 @@ class StepScheduler:
                 return []
             self._prefilling = group
         return group
+
+    def _alone(self, sequence: Sequence) -> bool:
+        """Prefilled in a pass of its own: images, a prompt scored for logprobs, or a prompt of several chunks."""
+        return bool(sequence.extra_inputs) or sequence.params.prompt_logprobs or self._needs_chunks(sequence)
 
     def _needs_chunks(self, sequence: Sequence) -> bool:
         """A text prompt longer than one chunk is prefilled over several steps (images need one pass)."""
@@ -184,8 +193,11 @@ class StepScheduler:
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = BatchCache(new_cache(self.model.config), mask)
         extra = group[0].extra_inputs if len(group) == 1 else {}
-        logits = self._forward(ids, mask, positions, cache, extra)
-        self._started(group, logits, cache)
+        scored = group[0].params.prompt_logprobs  # then the group is this one sequence, unpadded
+        logits = self._forward(ids, mask, positions, cache, extra, every_position=scored)
+        if scored:
+            self._score_prompt(group[0], logits[0], 0)
+        self._started(group, logits[:, -1, :], cache)
 
     def _prefill_chunk(self, sequence: Sequence, cache: BatchCache) -> None:
         """Feed the next chunk of a long prompt; after the last one it joins the running batch."""
@@ -193,20 +205,40 @@ class StepScheduler:
         chunk = sequence.prompt_ids[start: start + self.limits.prefill_chunk_tokens]
         ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(chunk), device=self.device).unsqueeze(0)
-        logits = self._forward(ids, cache.mask_with(len(chunk)), positions, cache)
+        scored = sequence.params.prompt_logprobs
+        logits = self._forward(ids, cache.mask_with(len(chunk)), positions, cache, every_position=scored)
+        if scored:
+            self._score_prompt(sequence, logits[0], start)
         sequence.prefilled += len(chunk)
         if sequence.prefilled == len(sequence.prompt_ids):
-            self._started([sequence], logits, cache)
+            self._started([sequence], logits[:, -1, :], cache)
+
+    def _score_prompt(self, sequence: Sequence, logits: torch.Tensor, start: int) -> None:
+        """Logprobs of the prompt's tokens after `start` from the logits of the positions before them."""
+        targets = sequence.prompt_ids[start + 1: start + 1 + logits.shape[0]]
+        found = logprobs_of(logits[: len(targets)], targets, sequence.params.logprobs or 0)
+        if sequence.prompt_logprobs is None:  # the first token has nothing before it
+            sequence.prompt_logprobs = [TokenLogprob(sequence.detokenizer.token_text(sequence.prompt_ids[0]), None)]
+        sequence.prompt_logprobs.extend(sequence.token_logprob(f) for f in found)
 
     def _started(self, group: list[Sequence], logits: torch.Tensor, cache: BatchCache) -> None:
-        """Sequences whose prompt is in `cache`: take their first token and join the running batch."""
-        self._sample(group, logits)
+        """Sequences whose prompt is in `cache`: each choice (a fork gets a copy of its request's cache row) takes
+        its first token and joins the running batch."""
+        rows = [row for row, s in enumerate(group) for _ in s.choices]
+        choices = [choice for s in group for choice in s.choices]
+        if len(choices) > len(group):
+            cache.keep(rows)
+            logits = logits[rows]
+        for choice in choices:
+            if choice.params.max_tokens == 0:
+                choice.finish_empty()
+        self._sample(choices, logits)
         if self._batch is None:
             self._batch = cache
         else:
             self._batch.merge(cache)
         with self._cond:
-            self._running.extend(group)
+            self._running.extend(choices)
             self._prefilling, self._chunking = [], None
         self._retire()
 
@@ -218,16 +250,25 @@ class StepScheduler:
 
         def run() -> None:
             logits = self._forward(ids, batch.mask_with(1), batch.next_positions(), batch)
-            self._sample(running, logits)
+            self._sample(running, logits[:, -1, :])
 
         self._guarded(running, run)
         self._retire()
 
     def _sample(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
+        scored = [row for row, s in enumerate(sequences) if s.params.logprobs is not None]
+        raw = logits[scored].float() if scored else None  # a copy: the logits stage edits `logits` in place
         tokens = sample(logits, [s.sampling_row(self.device) for s in sequences])
-        for sequence, token in zip(sequences, tokens, strict=True):
+        found: dict[int, Logprob] = {}
+        if raw is not None:
+            top = max(sequences[row].params.logprobs or 0 for row in scored)
+            found = dict(zip(scored, logprobs_of(raw, [tokens[row] for row in scored], top), strict=True))
+        for row, (sequence, token) in enumerate(zip(sequences, tokens, strict=True)):
             if not sequence.done:
-                sequence.accept(token)
+                logprob = found.get(row)
+                if logprob is not None:
+                    logprob.top = logprob.top[: sequence.params.logprobs]
+                sequence.accept(token, logprob)
 
     def _retire(self) -> None:
         """Drop finished and cancelled sequences from the running batch."""
@@ -242,12 +283,13 @@ class StepScheduler:
             self._batch.keep(keep)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: BatchCache,
-                 extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """Run the model over `ids`, appending to `cache`; the logits of each row's last position."""
+                 extra: dict[str, torch.Tensor] | None = None, every_position: bool = False) -> torch.Tensor:
+        """Run the model over `ids`, appending to `cache`; the logits [rows, positions, vocab] of each row's last
+        position, or of every position."""
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache.cache,
-                         logits_to_keep=1, **(extra or {}))
+                         logits_to_keep=0 if every_position else 1, **(extra or {}))
         cache.grew(mask)
-        return out.logits[:, -1, :]
+        return out.logits
 
     def _empty_mask(self, rows: int) -> torch.Tensor:
         return torch.zeros((rows, 0), dtype=torch.long, device=self.device)

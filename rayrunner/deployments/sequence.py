@@ -1,12 +1,15 @@
 """One request's sequence inside the step scheduler: its prompt, settings, generated tokens and event stream.
 
 The scheduler thread feeds it one token per step (`accept`); it detokenizes, applies stop strings, stop tokens and
-`max_tokens`, and hands events to the request's asyncio queue on the replica's event loop.
+`max_tokens`, and hands events to the request's asyncio queue on the replica's event loop. A request for n choices
+is one sequence with n - 1 `forks`: the scheduler prefills the prompt once and copies its cache to every fork; all
+of them put their events, tagged with their `index`, on the one queue of the request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -15,8 +18,8 @@ from typing import Any
 import torch
 
 from rayrunner.deployments.detokenizer import Detokenizer
-from rayrunner.deployments.engine import GenerationEvent
-from rayrunner.deployments.sampling import SamplingParams, SamplingRow, new_generator
+from rayrunner.deployments.engine import GenerationEvent, TokenLogprob
+from rayrunner.deployments.sampling import Logprob, SamplingParams, SamplingRow, new_generator
 
 
 @dataclass(eq=False)
@@ -29,6 +32,8 @@ class Sequence:
     eos_ids: set[int]
     loop: asyncio.AbstractEventLoop
     extra_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    index: int = 0
+    forks: list[Sequence] = field(default_factory=list)  # the request's other choices, sharing this prefill
     output_ids: list[int] = field(default_factory=list)
     events: asyncio.Queue[GenerationEvent | BaseException] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
@@ -37,6 +42,23 @@ class Sequence:
     started_at: float = 0.0
     first_token_at: float | None = None
     row: SamplingRow | None = None
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens whose text is not yet sent
+    prompt_logprobs: list[TokenLogprob] | None = None  # sent with the first event
+
+    def fork(self, index: int) -> Sequence:
+        """Choice `index` of the same request: its own detokenizer and random stream (seed + index)."""
+        params = dataclasses.replace(self.params, seed=None if self.params.seed is None else self.params.seed + index)
+        return Sequence(self.prompt_ids, params, self.detokenizer.copy_empty(), self.eos_ids, self.loop,
+                        index=index, events=self.events)
+
+    @property
+    def choices(self) -> list[Sequence]:
+        return [self, *self.forks]
+
+    @property
+    def slots(self) -> int:
+        """Running-sequence slots the request takes once prefilled."""
+        return 1 + len(self.forks)
 
     def sampling_row(self, device: torch.device) -> SamplingRow:
         if self.row is None:
@@ -44,15 +66,21 @@ class Sequence:
                                    new_generator(self.params, device))
         return self.row
 
+    def token_logprob(self, found: Logprob) -> TokenLogprob:
+        text = self.detokenizer.token_text
+        return TokenLogprob(text(found.token_id), found.logprob, [(text(i), lp) for i, lp in found.top])
+
     @property
     def done(self) -> bool:
         return self.finished or self.cancelled
 
-    def accept(self, token_id: int) -> None:
-        """Take the token chosen for this sequence at this step."""
+    def accept(self, token_id: int, logprob: Logprob | None = None) -> None:
+        """Take the token chosen for this sequence at this step (with its logprob when the request wants them)."""
         now = time.perf_counter()
         self.first_token_at = self.first_token_at or now
         self.output_ids.append(token_id)
+        if logprob is not None:
+            self.pending_logprobs.append(self.token_logprob(logprob))
         if token_id in self.eos_ids or token_id in self.params.stop_token_ids:
             self.detokenizer.add(token_id)
             self._finish("stop", self.detokenizer.flush())
@@ -63,7 +91,12 @@ class Sequence:
         elif len(self.output_ids) >= self.params.max_tokens:
             self._finish("length", text + self.detokenizer.flush())
         elif text:
-            self.emit(GenerationEvent(text=text))
+            self.emit(self._event(text=text))
+
+    def finish_empty(self) -> None:
+        """End without generating (max_tokens 0: a completions `echo` that only scores the prompt)."""
+        self.first_token_at = time.perf_counter()
+        self._finish("length", "")
 
     def fail(self, error: BaseException) -> None:
         self.finished = True
@@ -81,7 +114,7 @@ class Sequence:
         end = time.perf_counter()
         first = self.first_token_at or end
         self.emit(
-            GenerationEvent(
+            self._event(
                 text=text,
                 finish_reason=reason,
                 prompt_tokens=len(self.prompt_ids),
@@ -91,19 +124,29 @@ class Sequence:
             )
         )
 
+    def _event(self, **fields: Any) -> GenerationEvent:
+        """An event of this choice, carrying the logprobs gathered since the last one (and the prompt's, once)."""
+        event = GenerationEvent(index=self.index, **fields)
+        if self.params.logprobs is not None:
+            event.logprobs, self.pending_logprobs = self.pending_logprobs, []
+        if self.prompt_logprobs is not None:
+            event.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
+        return event
+
 
 async def events_of(sequence: Sequence) -> AsyncIterator[GenerationEvent]:
-    """The sequence's events as the engine interface yields them; leaving early cancels the sequence."""
+    """The events of the request's choices as the engine interface yields them; leaving early cancels them all."""
+    open_choices = sequence.slots
     try:
-        while True:
+        while open_choices:
             item = await sequence.events.get()
             if isinstance(item, BaseException):
                 raise item
             yield item
-            if item.finish_reason is not None:
-                return
+            open_choices -= item.finish_reason is not None
     finally:
-        sequence.cancelled = True  # the client went away (or we finished): the scheduler drops it at its next step
+        for choice in sequence.choices:  # the client went away (or we finished): dropped at the next step
+            choice.cancelled = True
 
 
 def stop_ids(model: Any, tokenizer: Any) -> set[int]:

@@ -1,4 +1,5 @@
-"""Request bodies as the router checks them: fields not implemented yet, ignored fields, and the sampling fields."""
+"""Request bodies as the router checks them: fields not implemented, fields checked against each other, ignored
+fields, and the sampling fields."""
 
 from __future__ import annotations
 
@@ -24,21 +25,7 @@ def completion(**fields: Any) -> dict[str, Any]:
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("n", 3),
-        ("logprobs", True),
-        ("top_logprobs", 5),
-        ("response_format", {"type": "json_object"}),
-        ("tools", [TOOL]),
-        ("tool_choice", "auto"),
-        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
-        ("parallel_tool_calls", False),
-        ("functions", [TOOL["function"]]),
-        ("function_call", "auto"),
-    ],
-)
+@pytest.mark.parametrize(("field", "value"), [("functions", [TOOL["function"]]), ("function_call", "auto")])
 def test_chat_fields_not_implemented_are_refused(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequestError) as caught:
         chat(**{field: value})
@@ -46,13 +33,35 @@ def test_chat_fields_not_implemented_are_refused(field: str, value: Any) -> None
     assert caught.value.message.startswith(f"{field}: ") and "is not supported yet" in caught.value.message
 
 
-@pytest.mark.parametrize(
-    ("field", "value"), [("n", 2), ("echo", True), ("logprobs", 0), ("best_of", 3), ("suffix", " end")]
-)
+@pytest.mark.parametrize(("field", "value"), [("best_of", 3), ("suffix", " end")])
 def test_completion_fields_not_implemented_are_refused(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequestError) as caught:
         completion(**{field: value})
     assert caught.value.param == field and "is not supported yet" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"top_logprobs": 3}, "top_logprobs needs logprobs"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"n": 17}, "n"),
+        ({"tool_choice": "required"}, "tool_choice `required` needs tools"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "names `g`"),
+        ({"tools": [TOOL, TOOL]}, "same name"),
+        ({"response_format": {"type": "json_schema"}}, "needs `json_schema`"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+    ],
+)
+def test_chat_fields_checked_against_each_other(fields: dict[str, Any], says: str) -> None:
+    with pytest.raises(InvalidRequestError, match=says):
+        chat(**fields)
+
+
+def test_completion_max_tokens_zero_only_with_echo() -> None:
+    with pytest.raises(InvalidRequestError, match="only meaningful with echo"):
+        completion(max_tokens=0)
+    assert completion(max_tokens=0, echo=True, logprobs=0)["max_tokens"] == 0
 
 
 def test_default_values_of_those_fields_are_accepted() -> None:
