@@ -66,6 +66,8 @@ def test_stream_deltas_join_to_the_completed_text(client: Any) -> None:
     completed = events[-1].response
     assert "".join(deltas) == completed.output_text == unary and "Paris" in unary
     assert completed.id == events[0].response.id and completed.usage.output_tokens > 0
+    with client.responses.stream(model="smol", input=QUESTION, max_output_tokens=40) as helper:  # the SDK's own
+        assert helper.get_final_response().output_text == unary  # accumulator accepts the events
 
 
 def test_stream_over_raw_http_names_each_event(service: Service) -> None:
