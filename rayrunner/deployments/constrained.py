@@ -1,0 +1,122 @@
+"""Structured output (OpenAI `response_format`): JSON constrained decoding as a per-sequence logits processor.
+
+`Grammars` is built once per engine from its tokenizer. It compiles a request's JSON Schema once (`json_schema`,
+`json_object`, `for_response_format`) into a factory that `SamplingParams.constraint` calls per sequence; each
+processor owns a matcher that follows the sequence's output and masks every token the grammar forbids. Once the JSON
+is complete only EOS is allowed, so a reply ends exactly where its JSON does; EOS is also allowed whenever the JSON
+could end there (a top-level number). Whitespace between JSON tokens is capped per gap (`_WHITESPACE`), so a small
+model cannot loop on newlines until `max_tokens`.
+
+The grammar library is llguidance, chosen over xgrammar by measurement on SmolLM2's tokenizer (49152 tokens, this
+2-core CPU; `bench/bench_structured.py` repeats the mask figures). Per-token mask over 342 tokens of an 8-property
+schema (nested object, bounded arrays, enum, pattern, format): llguidance mean 65 us, p99 0.5 ms; xgrammar 13 us and
+33 us. Compile: llguidance ~1 ms (0.5 ms validation + 0.9 ms matcher), then 6-50 us per sequence (`deep_copy`);
+xgrammar 26 ms. Tokenizer set-up: 0.2 s and 0.12 s. Both are far below a decode step (~20-75 ms). Coverage over 28
+features (each: a valid instance accepted, an invalid one rejected): both enforce nested objects, minItems/maxItems,
+enum, const, anyOf/oneOf, $ref/$defs (recursive too), pattern, min/maxLength, format (date-time, email, uuid),
+number bounds, exclusive bounds, multipleOf, additionalProperties, required, type lists, prefixItems and
+maxProperties. llguidance also enforces allOf and patternProperties (xgrammar accepts an invalid allOf and rejects a
+valid patternProperties); for what neither enforces (uniqueItems, not, if/then/else) llguidance refuses the schema
+with "Unimplemented keys: [...]" while xgrammar compiles it and silently lets invalid output through. A 400 that
+names the feature beats output that breaks the schema, and the mask cost difference is invisible next to a step.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import llguidance
+import torch
+
+from rayrunner.deployments.sampling import LogitsProcessor
+from rayrunner.errors import InvalidRequestError, UnsupportedRequestError
+from rayrunner.protocol import ResponseFormat
+
+logger = logging.getLogger(__name__)
+
+# At most this much whitespace in each gap between JSON tokens: enough to pretty-print a few levels deep, too little
+# for a small model to spend its whole reply on blank lines.
+_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
+_MESSAGE_CHARS = 400  # of a library error quoted back to the client
+
+
+class Grammars:
+    """JSON grammars over one engine's tokenizer.
+
+    `vocab_size` is the model's (its logits' width), which may exceed the tokenizer's vocabulary: the extra ids are
+    never allowed. Building one takes ~0.2 s (llguidance indexes the vocabulary); raises `UnsupportedRequestError`
+    when the tokenizer has no `tokenizers` backend.
+    """
+
+    def __init__(self, tokenizer: Any, eos_ids: Iterable[int], vocab_size: int) -> None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise UnsupportedRequestError("structured output needs a fast (`tokenizers`) tokenizer",
+                                          param="response_format")
+        backend = copy.copy(backend)  # padding or truncation would change how llguidance tokenizes text
+        backend.no_padding()
+        backend.no_truncation()
+        self.vocab_size = max(vocab_size, backend.get_vocab_size(with_added_tokens=True))
+        self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                                eos_token=sorted(eos_ids) or None)
+
+    def json_object(self) -> Callable[[], LogitsProcessor]:
+        """Any JSON object (`{"type": "json_object"}`)."""
+        return self.json_schema({"type": "object"})
+
+    def json_schema(self, schema: dict[str, Any]) -> Callable[[], LogitsProcessor]:
+        """Compile `schema` once; each call of the result makes a fresh processor for one sequence.
+
+        A schema that is invalid, unsatisfiable or uses a keyword llguidance does not enforce (e.g. `uniqueItems`,
+        `not`, `if`) is an `InvalidRequestError` on `response_format` whose message says which."""
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema,
+                                                                    overrides={"whitespace_pattern": _WHITESPACE})
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"invalid JSON schema: {exc}", param="response_format") from None
+        prototype = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if prototype.is_error():
+            reason = prototype.get_error()[:_MESSAGE_CHARS]
+            raise InvalidRequestError(f"unsupported JSON schema: {reason}", param="response_format")
+        return lambda: _JsonProcessor(prototype.deep_copy(), self.vocab_size)
+
+    def for_response_format(self, fmt: ResponseFormat | None) -> Callable[[], LogitsProcessor] | None:
+        """The constraint a request's `response_format` asks for; None for plain text."""
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return self.json_object()
+        if fmt.json_schema is None:  # the protocol's validator already refuses this
+            raise InvalidRequestError("response_format of type json_schema needs `json_schema`",
+                                      param="response_format")
+        return self.json_schema(fmt.json_schema.schema_)
+
+
+class _JsonProcessor:
+    """One sequence's grammar state: advances over the tokens it has not seen yet, then masks the forbidden ones.
+
+    The mask is filled into a reused CPU bitmask (one bit per token id, as llguidance writes it) and unpacked on
+    the logits' device. A token the matcher refuses (only possible if something other than this mask chose it)
+    leaves the matcher in its error state, whose mask allows EOS alone: the reply ends there."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.consumed = 0
+        self.words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
+        self.shifts: torch.Tensor | None = None
+
+    def __call__(self, prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        for token in output_ids[self.consumed:]:
+            if not self.matcher.consume_token(token):
+                logger.warning("constrained decoding: token %d refused (%s); ending the reply",
+                               token, self.matcher.get_error()[:_MESSAGE_CHARS])
+        self.consumed = len(output_ids)
+        self.matcher.unsafe_compute_mask_ptr(self.words.data_ptr(), self.words.numel() * self.words.element_size())
+        if self.shifts is None or self.shifts.device != logits.device:
+            self.shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+        packed = self.words.view(torch.uint8).to(logits.device)  # little-endian words: byte k holds ids 8k..8k+7
+        allowed = ((packed.unsqueeze(-1) >> self.shifts) & 1).view(torch.bool).view(-1)[: logits.shape[-1]]
+        return torch.where(allowed, logits, float("-inf"))
