@@ -165,7 +165,7 @@ def to_chat_request(request: ResponsesRequest) -> dict[str, Any]:
     return {key: value for key, value in chat.items() if value is not None}
 
 
-def _messages(items: str | list[Any]) -> list[dict[str, Any]]:
+def _messages(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem] | str) -> list[dict[str, Any]]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
