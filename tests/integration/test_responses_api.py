@@ -98,7 +98,7 @@ def test_function_call_history_is_sent_to_the_model(client: Any) -> None:
     assert response.tools[0].name == "get_weather"
 
 
-@pytest.mark.xfail(strict=False, reason="needs the chat path's constrained decoding (response_format json_schema)")
+@pytest.mark.xfail(strict=False, reason="needs response_format wired into the chat engine (passes with it)")
 def test_json_schema_format_constrains_the_output(client: Any) -> None:
     response = client.responses.create(model="smol", input="Name the capital of France and its country.",
                                        max_output_tokens=60, text={"format": {
@@ -109,14 +109,21 @@ def test_json_schema_format_constrains_the_output(client: Any) -> None:
     assert set(answer) == {"city", "country"} and all(isinstance(v, str) for v in answer.values())
 
 
-@pytest.mark.xfail(strict=False, reason="needs tool calls parsed from the model's output on the chat path")
+@pytest.mark.xfail(strict=False, reason="needs tool calls wired into the chat engine (passes with it)")
 def test_forced_tool_choice_returns_a_function_call(client: Any) -> None:
-    response = client.responses.create(model="smol", input="What is the weather in Paris?", tools=[WEATHER_TOOL],
-                                       tool_choice={"type": "function", "name": "get_weather"},
-                                       max_output_tokens=60)
+    asked = {"model": "smol", "input": "What is the weather in Paris?", "tools": [WEATHER_TOOL],
+             "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 60}
+    response = client.responses.create(**asked)
     calls = [item for item in response.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and calls[0].call_id
     assert set(json.loads(calls[0].arguments)) == {"city"}
+    events = list(client.responses.create(**asked, stream=True))
+    added = [e.item for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    final = [item for item in events[-1].response.output if item.type == "function_call"]
+    assert events[-1].type == "response.completed" and added[0].name == "get_weather"
+    assert deltas == done == final[0].arguments and set(json.loads(done)) == {"city"}
 
 
 @pytest.mark.parametrize(
