@@ -188,12 +188,21 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     before = share.cumsum(-1) - share  # the mass of the candidates ranked above this one
     kept = kept.masked_fill(((before >= p) & (p < 1.0)) | (kept < floor), 0.0)
     above = probs.masked_fill(probs < floor, 0.0).sum(-1, True) - top.masked_fill(top < floor, 0.0).sum(-1, True)
-    tail = torch.where(unbounded & (width < vocab), above.clamp(min=0.0), 0.0)
+    # A tail exists only if some token past the candidates can be drawn (counted exactly: `above` alone can be a
+    # rounding error's worth above zero when a mask, such as a grammar's, leaves every live token among them).
+    beyond = _live(probs, floor).sum(-1, True) > _live(top, floor).sum(-1, True)
+    tail = torch.where(unbounded & (width < vocab) & beyond, above.clamp(min=0.0), 0.0)
     cdf = kept.cumsum(-1)
     uniform = torch.cat([torch.rand(1, generator=r.generator, device=device) for r in rows]).unsqueeze(1)
     target = uniform * (cdf[:, -1:] + tail)
     tokens = ids.gather(1, torch.searchsorted(cdf, target).clamp(max=width - 1)).squeeze(1)
-    for i in torch.nonzero((target >= cdf[:, -1:]) & (tail > 0)).flatten().tolist():  # the draw landed in a tail
+    landed_in_tail = ((target >= cdf[:, -1:]) & (tail > 0)).squeeze(1)
+    for i in torch.nonzero(landed_in_tail).flatten().tolist():
         rest = probs[i].scatter(0, ids[i], 0.0)
         tokens[i] = torch.multinomial(rest.masked_fill(rest < floor[i], 0.0), 1, generator=rows[i].generator)[0]
     return tokens
+
+
+def _live(probs: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """The tokens a draw can pick: positive probability, not under the min-p floor."""
+    return (probs > 0.0) & (probs >= floor)

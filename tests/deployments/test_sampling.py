@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rayrunner.deployments.sampling import SamplingParams, SamplingRow, new_generator, sample
+from rayrunner.deployments.sampling import SamplingParams, SamplingRow, logprobs_of, new_generator, sample
 
 VOCAB = 50
 
@@ -84,3 +84,22 @@ def test_draws_follow_the_distribution_past_the_candidates() -> None:
     assert abs(float((picks >= 512).float().mean()) - tail_mass) < 0.04
     nucleus = {sample(logits.clone(), [_row(temperature=1.0, top_p=0.9, seed=s)])[0] for s in range(300)}
     assert max(nucleus) > 512
+
+
+def test_a_tail_draw_in_one_row_leaves_the_others_alone() -> None:
+    """Row 1 spreads its mass over the whole vocabulary, so its draws often land past the candidates; row 0 can only
+    pick 3 tokens (the rest masked as a grammar would). Row 0 never draws from a tail it does not have."""
+    vocab = 50_000
+    for seed in range(20):
+        logits = torch.zeros(2, vocab)
+        logits[0] = float("-inf")
+        logits[0, [5, 6, 7]] = 0.0
+        rows = [_row(temperature=1.0, seed=seed), _row(temperature=1.0, seed=1000 + seed)]
+        assert sample(logits, rows)[0] in (5, 6, 7)
+
+
+def test_logprobs_put_the_chosen_token_first_among_equals() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]])
+    found = logprobs_of(logits, [2], top=2)[0]
+    assert found.token_id == 2 and [token for token, _ in found.top] == [2, 1]
+    assert abs(found.logprob - float(torch.log_softmax(logits, -1)[0, 2])) < 1e-6
