@@ -15,6 +15,7 @@ import ctypes
 import functools
 import logging
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -49,7 +50,7 @@ class ComputeThread:
     def shutdown(self) -> None:
         """Finish what was submitted, then end the thread (its OpenMP pool goes with it)."""
         self._jobs.put(None)
-        if self._thread is not threading.current_thread():
+        if self._thread is not threading.current_thread() and not sys.is_finalizing():
             self._thread.join(timeout=30)
 
     def _work(self) -> None:

@@ -17,6 +17,7 @@ from rayrunner.errors import UnsupportedRequestError
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
+    from rayrunner.deployments.tool_replies import ToolReplies
     from rayrunner.loading import Loaded
 
 
@@ -97,6 +98,13 @@ class Engine(ABC):  # noqa: B024 - every method has a default that refuses the r
     def chat(self, request: ChatCompletionRequest, params: SamplingParams) -> AsyncIterator[GenerationEvent]:
         """Generate the assistant reply to `request.messages` (events as documented on GenerationEvent)."""
         raise UnsupportedRequestError(f"this is a {self.kind} model: it does not serve chat completions")
+
+    def tool_replies(self, request: ChatCompletionRequest) -> ToolReplies | None:
+        """How `request`'s replies become tool calls (None: they are plain content)."""
+        if request.tools and request.tool_choice != "none":
+            raise UnsupportedRequestError(f"this is a {self.kind} model: tools are served by text models",
+                                          param="tools")
+        return None
 
     def complete(self, request: CompletionRequest, params: SamplingParams) -> AsyncIterator[GenerationEvent]:
         """Continue `request.prompt` as plain text."""

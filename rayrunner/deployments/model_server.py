@@ -79,13 +79,15 @@ class ModelServer:
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         request = ChatCompletionRequest.model_validate(body)
+        tools = self.engine.tool_replies(request)
         events = self.engine.chat(request, sampling_params(request, self.spec.engine))
-        return (await responses.chat_response(self.spec.model_id, events, request)).model_dump()
+        return (await responses.chat_response(self.spec.model_id, events, request, tools)).model_dump()
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         request = ChatCompletionRequest.model_validate(body)
+        tools = self.engine.tool_replies(request)
         events = self.engine.chat(request, sampling_params(request, self.spec.engine))
-        async for chunk in responses.chat_chunks(self.spec.model_id, events, request):
+        async for chunk in responses.chat_chunks(self.spec.model_id, events, request, tools):
             yield chunk.model_dump(exclude_none=True)
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ shared batch with everyone else's.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,6 +16,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from rayrunner.deployments.compute_thread import ComputeThread, run_single_threaded
+from rayrunner.deployments.constrained import Grammars
 from rayrunner.deployments.detokenizer import Detokenizer
 from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, describe
 from rayrunner.deployments.images import load_images
@@ -67,7 +69,14 @@ class MultimodalEngine(Engine):
         extra = {"model_type": self._model.config.model_type, "scheduler": self.scheduler.stats()}
         return describe(self.kind, self._loaded, extra)
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """For structured output, built on first use."""
+        vocab_size = self._model.config.get_text_config().vocab_size
+        return Grammars(self._tokenizer, self._eos_ids, vocab_size)
+
     async def chat(self, request: ChatCompletionRequest, params: SamplingParams) -> AsyncIterator[GenerationEvent]:
+        params.constraint = self.grammars.for_response_format(request.response_format)
         conversation, urls = to_conversation(request.messages)
         images = await load_images(urls, self.spec.engine)
         inputs = await run_single_threaded(self._inputs, conversation, images)

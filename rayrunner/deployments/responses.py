@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from rayrunner.deployments.engine import EmbeddingResult, GenerationEvent, TokenLogprob
+from rayrunner.deployments.tool_replies import ToolReplies
 from rayrunner.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -89,36 +90,52 @@ def chat_logprobs(entries: list[TokenLogprob]) -> ChoiceLogprobs:
     ])
 
 
-async def chat_response(model: str, events: AsyncIterator[GenerationEvent],
-                        request: ChatCompletionRequest) -> ChatCompletionResponse:
+async def chat_response(model: str, events: AsyncIterator[GenerationEvent], request: ChatCompletionRequest,
+                        tools: ToolReplies | None = None) -> ChatCompletionResponse:
     choices = await _collect(events)
-    shaped = [
-        ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.final.finish_reason,
-                   logprobs=chat_logprobs(c.logprobs) if request.logprobs else None)
-        for i, c in enumerate(choices) if c.final is not None
-    ]
+    shaped = [_chat_choice(i, c, request, tools) for i, c in enumerate(choices)]
     return ChatCompletionResponse(model=model, choices=shaped, usage=usage_of(_finals(choices)))
 
 
-async def chat_chunks(model: str, events: AsyncIterator[GenerationEvent],
-                      request: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
-    """Per choice a role chunk, a chunk per text event, a chunk with its finish_reason; usage on the last finish
-    chunk, or in a chunk of its own with no choices when `stream_options.include_usage` asks for it."""
+def _chat_choice(index: int, choice: _Choice, request: ChatCompletionRequest, tools: ToolReplies | None) -> ChatChoice:
+    assert choice.final is not None
+    content, calls = tools.split(choice.text) if tools else (choice.text, [])
+    message = AssistantMessage(content=content, tool_calls=[c.to_tool_call() for c in calls] or None)
+    return ChatChoice(index=index, message=message, finish_reason=_finish_reason(choice.final, bool(calls)),
+                      logprobs=chat_logprobs(choice.logprobs) if request.logprobs else None)
+
+
+def _finish_reason(final: GenerationEvent, called: bool) -> str | None:
+    """`tool_calls` when the reply ended in calls (a reply cut short stays `length`)."""
+    return "tool_calls" if called and final.finish_reason == "stop" else final.finish_reason
+
+
+async def chat_chunks(model: str, events: AsyncIterator[GenerationEvent], request: ChatCompletionRequest,
+                      tools: ToolReplies | None = None) -> AsyncIterator[ChatCompletionChunk]:
+    """Per choice a role chunk, a chunk per text event (or per tool-call piece), a chunk with its finish_reason;
+    usage on the last finish chunk, or in a chunk of its own with no choices when `stream_options.include_usage`
+    asks for it."""
     chunk_id = _new_id("chatcmpl")
     n = request.n or 1
     for index in range(n):
         yield ChatCompletionChunk(id=chunk_id, model=model,
                                   choices=[ChunkChoice(index=index, delta=Delta(role="assistant"))])
+    deltas = {index: tools.stream() for index in range(n)} if tools else {}
     finals: list[GenerationEvent] = []
     async for event in events:
         logprobs = chat_logprobs(event.logprobs) if request.logprobs and event.logprobs else None
-        if event.text or logprobs:
-            choice = ChunkChoice(index=event.index, delta=Delta(content=event.text), logprobs=logprobs)
+        stream = deltas.get(event.index)
+        pieces = stream.feed(event.text) if stream else [Delta(content=event.text)] if event.text else []
+        if event.finish_reason is not None and stream:
+            pieces += stream.finish()
+        for i, delta in enumerate(pieces or ([Delta(content="")] if logprobs else [])):
+            choice = ChunkChoice(index=event.index, delta=delta, logprobs=None if i else logprobs)
             yield ChatCompletionChunk(id=chunk_id, model=model, choices=[choice])
         if event.finish_reason is not None:
             finals.append(event)
             usage = usage_of(finals) if len(finals) == n and not _usage_apart(request) else None
-            final = ChunkChoice(index=event.index, delta=Delta(), finish_reason=event.finish_reason)
+            reason = _finish_reason(event, bool(stream and stream.calls))
+            final = ChunkChoice(index=event.index, delta=Delta(), finish_reason=reason)
             yield ChatCompletionChunk(id=chunk_id, model=model, choices=[final], usage=usage)
     if _usage_apart(request):
         yield ChatCompletionChunk(id=chunk_id, model=model, choices=[], usage=usage_of(finals))

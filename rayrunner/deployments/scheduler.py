@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -109,11 +110,12 @@ class StepScheduler:
 
     def close(self) -> None:
         """Stop the loop after its current step, and wait for it: the loop never outlives the engine's owner (a
-        thread still dropping tensors while the interpreter exits aborts the process)."""
+        thread still dropping tensors while the interpreter exits aborts the process). Once the interpreter is
+        finalizing, its daemon threads no longer run: nothing to wait for."""
         with self._cond:
             self._closed = True
             self._cond.notify()
-        if self._loop_done is not None:
+        if self._loop_done is not None and not sys.is_finalizing():
             self._loop_done.result(timeout=30)
 
     # ------------------------------------------------------------ the scheduler thread

@@ -153,6 +153,7 @@ def test_openapi_declares_every_request_body(service: Service) -> None:
         "/v1/chat/completions": "ChatCompletionRequest",
         "/v1/completions": "CompletionRequest",
         "/v1/embeddings": "EmbeddingRequest",
+        "/v1/responses": "ResponsesRequest",
         "/v1/models/add": "AddModelBody",
         "/v1/models/aliases": "AliasBody",
         **{f"/v1/models/{op}": "ModelIdBody" for op in ("status", "unload", "reload", "remove", "default")},

@@ -98,7 +98,6 @@ def test_function_call_history_is_sent_to_the_model(client: Any) -> None:
     assert response.tools[0].name == "get_weather"
 
 
-@pytest.mark.xfail(strict=False, reason="needs response_format wired into the chat engine (passes with it)")
 def test_json_schema_format_constrains_the_output(client: Any) -> None:
     response = client.responses.create(model="smol", input="Name the capital of France and its country.",
                                        max_output_tokens=60, text={"format": {
@@ -109,7 +108,6 @@ def test_json_schema_format_constrains_the_output(client: Any) -> None:
     assert set(answer) == {"city", "country"} and all(isinstance(v, str) for v in answer.values())
 
 
-@pytest.mark.xfail(strict=False, reason="needs tool calls wired into the chat engine (passes with it)")
 def test_forced_tool_choice_returns_a_function_call(client: Any) -> None:
     asked = {"model": "smol", "input": "What is the weather in Paris?", "tools": [WEATHER_TOOL],
              "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 60}
