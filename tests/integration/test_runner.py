@@ -3,6 +3,7 @@ model, the same operations through a DeploymentHandle, wrong use, and many threa
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -141,3 +142,27 @@ def test_deployment_handle_offers_the_same_operations(runner: Runner) -> None:
     assert handle.get_default_model_id.remote().result() == "text-a"
     with pytest.raises(Exception, match="model `ghost` was not found"):
         handle.reload_model.remote("ghost").result()
+
+
+def test_runner_and_handle_carry_the_openai_fields(runner: Runner) -> None:
+    """n, logprobs, a forced tool call and a JSON schema through Runner's request classes and a handle's dicts (a
+    random-weight model may spell the forced JSON a character per token and fill every whitespace gap: room for it)."""
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "maxLength": 8}}, "required": ["q"],
+        "additionalProperties": False}}}  # else a random model may write extra keys of any length
+    reply = runner.send_chat_completion_request(ask("hi", n=2, logprobs=True, top_logprobs=2), model_id="text-a")
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert all(len(c.logprobs.content) == 6 for c in reply.choices if c.logprobs)
+    called = runner.send_chat_completion_request(
+        ChatCompletionRequest(messages=[{"role": "user", "content": "look up x"}], max_tokens=400,
+                              tools=[tool], tool_choice="required", parallel_tool_calls=False), model_id="text-a")
+    assert called.choices[0].finish_reason == "tool_calls"
+    assert called.choices[0].message.tool_calls[0].function.name == "lookup"
+    from ray import serve
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    body = {"model": "text-a", "messages": [{"role": "user", "content": "a number"}], "max_tokens": 200,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+    text = serve.get_app_handle("rayrunner").chat.remote(body).result()["choices"][0]["message"]["content"]
+    assert 0 <= json.loads(text)["n"] <= 9
