@@ -69,14 +69,21 @@ def add_error_handlers(app: FastAPI) -> None:
 add_error_handlers(api)
 
 
+_UNION_MEMBERS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def _invalid(errors: Any) -> InvalidRequestError:
     first = errors[0]
     if first["type"] == "json_invalid":
         return InvalidRequestError("the request body is not valid JSON")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if not loc:
-        return InvalidRequestError(f"the request body must be a JSON object, sent as application/json ({first['msg']})")
-    return InvalidRequestError(f"{'.'.join(loc)}: {first['msg']}", param=loc[0])
+    # pydantic names the member of a union it tried (`str`, `list[...]`, `tagged-union[...]`): not the client's business
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and "[" not in str(p) and p not in _UNION_MEMBERS]
+    message = str(first["msg"]).removeprefix("Value error, ")
+    if first["type"] in ("model_attributes_type", "model_type", "dict_type"):
+        return InvalidRequestError(f"the request body must be a JSON object, sent as application/json ({message})")
+    if not loc:  # a check across fields
+        return InvalidRequestError(message)
+    return InvalidRequestError(f"{'.'.join(loc)}: {message}", param=loc[0])
 
 
 def parsed(model: type[B], body: dict[str, Any]) -> B:
