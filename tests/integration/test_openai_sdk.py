@@ -77,10 +77,11 @@ def test_greedy_logprobs_are_the_models(client: openai.OpenAI) -> None:
     plain = _plain_logprobs(ids)
     start = len(ids) - len(entries)
     # The first token comes from the prefill, which is this same forward pass; later ones from cached decode steps,
-    # whose bf16 rounding differs slightly from recomputing the whole sequence.
+    # whose bf16 rounding differs slightly from recomputing the whole sequence (measured: up to 0.005; 1e-3 in
+    # float32, see tests/deployments/test_choices_and_logprobs.py).
     assert abs(entries[0].logprob - float(plain[start - 1, ids[start]])) < 1e-3
     for step, entry in enumerate(entries[1:], start=1):
-        assert abs(entry.logprob - float(plain[start + step - 1, ids[start + step]])) < 0.05
+        assert abs(entry.logprob - float(plain[start + step - 1, ids[start + step]])) < 0.01
 
 
 def test_echo_scores_the_prompt(client: openai.OpenAI) -> None:
