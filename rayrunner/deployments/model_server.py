@@ -17,6 +17,7 @@ from ray.serve import Application
 
 from rayrunner.deployments import responses
 from rayrunner.deployments.engine import Engine
+from rayrunner.deployments.engine_slot import EngineSlot
 from rayrunner.deployments.sampling import SamplingParams
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields
 from rayrunner.spec import EngineSettings, ModelSpec
@@ -74,46 +75,62 @@ class ModelServer:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = ModelSpec.model_validate(spec)
         _set_torch_threads(self.spec.engine)
-        self.engine = build_engine(self.spec)
+        self.slot = EngineSlot(lambda: build_engine(self.spec))
         self.started_at = time.time()
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         request = ChatCompletionRequest.model_validate(body)
-        tools = self.engine.tool_replies(request)
-        events = self.engine.chat(request, sampling_params(request, self.spec.engine))
-        return (await responses.chat_response(self.spec.model_id, events, request, tools)).model_dump()
+        async with self.slot.use() as engine:
+            tools = engine.tool_replies(request)
+            events = engine.chat(request, sampling_params(request, self.spec.engine))
+            return (await responses.chat_response(self.spec.model_id, events, request, tools)).model_dump()
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         request = ChatCompletionRequest.model_validate(body)
-        tools = self.engine.tool_replies(request)
-        events = self.engine.chat(request, sampling_params(request, self.spec.engine))
-        async for chunk in responses.chat_chunks(self.spec.model_id, events, request, tools):
-            yield chunk.model_dump(exclude_none=True)
+        async with self.slot.use() as engine:
+            tools = engine.tool_replies(request)
+            events = engine.chat(request, sampling_params(request, self.spec.engine))
+            async for chunk in responses.chat_chunks(self.spec.model_id, events, request, tools):
+                yield chunk.model_dump(exclude_none=True)
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         request = CompletionRequest.model_validate(body)
-        events = self.engine.complete(request, sampling_params(request, self.spec.engine))
-        return (await responses.completion_response(self.spec.model_id, events, request)).model_dump()
+        async with self.slot.use() as engine:
+            events = engine.complete(request, sampling_params(request, self.spec.engine))
+            return (await responses.completion_response(self.spec.model_id, events, request)).model_dump()
 
     async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         request = CompletionRequest.model_validate(body)
-        events = self.engine.complete(request, sampling_params(request, self.spec.engine))
-        async for chunk in responses.completion_chunks(self.spec.model_id, events, request):
-            yield chunk.model_dump(exclude_none=True)
+        async with self.slot.use() as engine:
+            events = engine.complete(request, sampling_params(request, self.spec.engine))
+            async for chunk in responses.completion_chunks(self.spec.model_id, events, request):
+                yield chunk.model_dump(exclude_none=True)
 
     async def embed(self, body: dict[str, Any]) -> dict[str, Any]:
         request = EmbeddingRequest.model_validate(body)
-        result = await self.engine.embed(request.texts())
+        async with self.slot.use() as engine:
+            result = await engine.embed(request.texts())
         return responses.embedding_response(self.spec.model_id, result, request.encoding_format).model_dump()
 
+    async def sleep(self) -> dict[str, Any]:
+        """Free the weights, keep the process (`unload` with mode `sleep`); the next request or `wake` reloads."""
+        await self.slot.sleep(self.spec.engine.graceful_shutdown_timeout_s)
+        return self.info()
+
+    async def wake(self) -> dict[str, Any]:
+        await self.slot.wake()
+        return self.info()
+
     def info(self) -> dict[str, Any]:
-        """What this replica loaded, plus its pid and start time (for status and tests)."""
-        return {**dataclasses.asdict(self.engine.info()), "pid": os.getpid(), "started_at": self.started_at}
+        """What this replica loaded (nothing while asleep), its sleep state, pid and start time."""
+        engine = self.slot.engine
+        loaded = dataclasses.asdict(engine.info()) if engine is not None else {}
+        return {**loaded, **self.slot.state(), "pid": os.getpid(), "started_at": self.started_at}
 
     def __del__(self) -> None:
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.close()
+        slot = getattr(self, "slot", None)
+        if slot is not None:
+            slot.close()
 
 
 def _set_torch_threads(settings: EngineSettings) -> None:
