@@ -35,6 +35,8 @@ class EngineSettings(BaseModel):
     max_seq_len: int | None = Field(None, ge=1, description="Prompt + completion token limit.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none.")
     chat_template: str | None = Field(None, description="Jinja chat template overriding the model's.")
+    max_adapters: int = Field(8, ge=1, description="Most LoRA adapters held loaded at once (least recently used "
+                              "evicted; an evicted one is reloaded from its source when asked for again).")
     max_ongoing_requests: int | None = Field(
         None, ge=1, description="Requests Serve sends one replica at once (default: room for every running and "
         "queued sequence, so the replica itself answers 429 when full)."
