@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from rayrunner.capacity import KeepAlive, checked_keep_alive
+
 DEFAULT_MODEL = "default"
 
 
@@ -47,6 +49,9 @@ def _not_yet_doc(what: str) -> str:
 
 
 TokenId = Annotated[int, Field(ge=0)]
+KeepAliveField = Annotated[KeepAlive, AfterValidator(checked_keep_alive), Field(
+    None, description='Ollama\'s keep_alive: how long the model stays loaded after this request ("5m", "30s", '
+    "seconds, -1 forever, 0 unload right after); unset: the model's own.")]
 MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
 
@@ -140,6 +145,7 @@ class SamplingFields(_Lenient):
                           f"prefill is shared), at most {MAX_CHOICES}; a seed gives choice i the seed + i.")
     stream: bool = False
     stream_options: StreamOptions | None = None
+    keep_alive: KeepAliveField = None
 
     @field_validator("model", mode="before")
     @classmethod
@@ -268,6 +274,7 @@ class EmbeddingRequest(_Lenient):
     model: str = DEFAULT_MODEL
     input: str | list[str] = Field(description="One text or a list of texts.")
     encoding_format: Literal["float", "base64"] = "float"
+    keep_alive: KeepAliveField = None
 
     @field_validator("input")
     @classmethod
@@ -458,6 +465,8 @@ class AddModelBody(BaseModel):
     aliases: list[str] = Field(default_factory=list)
     load: bool = True
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineSettings overrides.")
+    pinned: bool = Field(False, description="Never evicted to make room for other models.")
+    keep_alive: KeepAliveField = None
 
 
 class ModelStatusBody(BaseModel):

@@ -12,10 +12,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from rayrunner.capacity import KeepAlive, checked_keep_alive
 from rayrunner.errors import AliasConflictError, InvalidSpecError, ModelExistsError, ModelNotFoundError
 from rayrunner.protocol import DEFAULT_MODEL
 from rayrunner.spec import ModelSpec
@@ -74,6 +75,11 @@ class ModelEntry(BaseModel):
     spec: ModelSpec
     aliases: list[str] = Field(default_factory=list)
     load: bool = True
+    pinned: bool | None = Field(None, description="Never evicted to make room for another model (unset: as "
+                                "registered, False for a new model).")
+    keep_alive: Annotated[KeepAlive, AfterValidator(checked_keep_alive)] = Field(
+        None, description='Unload after this long idle: "5m", "30s", seconds, -1 forever (unset: as registered, '
+        "forever for a new model).")
 
 
 class RegistryConfig(BaseModel):
@@ -85,6 +91,10 @@ class RegistryConfig(BaseModel):
     state_path: str | None = Field(None, description="Registry state file (default under the cache dir).")
     load_timeout_s: float = Field(900.0, gt=0, description="How long a load (and a request waiting on it) may take.")
     unload_timeout_s: float = Field(300.0, gt=0, description="How long an unload waits for in-flight requests.")
+    max_loaded_models: int | None = Field(None, ge=1, description="Most models loaded at once; a load past it "
+                                          "first unloads idle models, least recently used first (default: no limit).")
+    max_loaded_bytes: int | None = Field(None, ge=1, description="Most estimated bytes (weights and KV reserve) "
+                                         "loaded at once, enforced the same way (default: no limit).")
 
     @model_validator(mode="after")
     def _consistent(self) -> RegistryConfig:
@@ -106,6 +116,23 @@ class ModelRecord(BaseModel):
     last_error: str | None = None
     load_count: int = 0
     info: dict[str, Any] = Field(default_factory=dict, description="What the replica reported when it loaded.")
+    pinned: bool = False
+    keep_alive: KeepAlive = None
+    request_keep_alive: KeepAlive = Field(None, description="The last request's own keep_alive, which wins.")
+    last_used_at: float | None = None
+    load_seconds: float | None = Field(None, description="How long the last load took (the eviction tie-breaker).")
+    unloaded_reason: str | None = Field(None, description="`user`, `idle`, or `evicted: <limit>`.")
+    estimated_bytes: int | None = Field(None, description="Weights and KV reserve (under max_loaded_bytes only).")
+
+    def configure(self, entry: ModelEntry) -> None:
+        """Take the entry's pinned and keep_alive where it sets them."""
+        if entry.pinned is not None:
+            self.pinned = entry.pinned
+        if entry.keep_alive is not None:
+            self.keep_alive = entry.keep_alive
+
+    def effective_keep_alive(self) -> KeepAlive:
+        return self.request_keep_alive if self.request_keep_alive is not None else self.keep_alive
 
 
 class RegistryState(BaseModel):
@@ -231,10 +258,11 @@ class RegistryState(BaseModel):
             model_id = entry.spec.model_id
             if model_id not in self.models:
                 self.check_new(model_id, entry.aliases)
-                self.add(entry.spec, entry.aliases)
+                self.add(entry.spec, entry.aliases).configure(entry)
                 changes.added.append(model_id)
                 changes.log.append(f"model `{model_id}` registered from the config")
                 continue
+            self.models[model_id].configure(entry)
             differences = spec_differences(self.models[model_id].spec, entry.spec)
             if differences:
                 self.models[model_id].spec = entry.spec

@@ -114,3 +114,19 @@ def test_a_state_from_before_config_defaults_were_remembered_takes_the_config_de
     state.default_id = "emb"
     state.apply_config(config(entry("smol", aliases=("s",)), entry("emb", EMBEDDING), default="s"))
     assert state.default_id == "smol" and state.config_default == "s"
+
+
+def test_config_sets_pinned_and_keep_alive_and_leaves_what_it_does_not_say() -> None:
+    state = RegistryState()
+    pinned = ModelEntry.model_validate({"spec": entry("m").spec.model_dump(), "pinned": True, "keep_alive": "5m"})
+    state.apply_config(config(pinned))
+    record = state.models["m"]
+    assert record.pinned and record.keep_alive == "5m" and record.effective_keep_alive() == "5m"
+    record.request_keep_alive = 0  # a request's own keep_alive wins until the model unloads
+    assert record.effective_keep_alive() == 0
+    state.apply_config(config(entry("m")))  # says neither: both stay
+    assert record.pinned and record.keep_alive == "5m"
+    unpinned = ModelEntry.model_validate({"spec": entry("m").spec.model_dump(), "pinned": False})
+    state.apply_config(config(unpinned))
+    assert not record.pinned
+    assert RegistryState.model_validate_json(state.model_dump_json()).models["m"].keep_alive == "5m"
