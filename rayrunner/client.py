@@ -31,10 +31,12 @@ APP_NAME = "rayrunner"
 
 
 def _entry(model_id: str | None, which: Any, in_situ_quant: str | None, aliases: list[str], load: bool,
-           engine: dict[str, Any] | None = None) -> dict[str, Any]:
+           engine: dict[str, Any] | None = None, pinned: bool = False,
+           keep_alive: str | float | None = None) -> dict[str, Any]:
     parsed = Which.parse(which)
     spec = build_spec(model_id or parsed.source, parsed, in_situ_quant, engine)
-    return {"spec": spec.model_dump(mode="json"), "aliases": aliases, "load": load}
+    return {"spec": spec.model_dump(mode="json"), "aliases": aliases, "load": load, "pinned": pinned or None,
+            "keep_alive": keep_alive}
 
 
 class Runner:
@@ -118,8 +120,12 @@ class Runner:
         self._call("reload_model", model_id)
 
     def add_model(self, model_id: str, which: Any, in_situ_quant: str | None = None, aliases: tuple[str, ...] = (),
-                  load: bool = True, engine: dict[str, Any] | None = None) -> None:
-        self._call("add_model_entry", _entry(model_id, which, in_situ_quant, list(aliases), load, engine))
+                  load: bool = True, engine: dict[str, Any] | None = None, *, pinned: bool = False,
+                  keep_alive: str | float | None = None) -> None:
+        """Register (and with `load`, load) a model. `pinned`: never evicted to make room; `keep_alive`: unload
+        after this long idle ("5m", "30s", seconds, -1 forever)."""
+        entry = _entry(model_id, which, in_situ_quant, list(aliases), load, engine, pinned, keep_alive)
+        self._call("add_model_entry", entry)
 
     def add_alias(self, model_id: str, alias: str) -> None:
         self._call("add_alias", model_id, alias)
@@ -128,7 +134,8 @@ class Runner:
         self._call("remove_model", model_id)
 
     def model_card(self, model_id: str) -> dict[str, Any]:
-        """Everything the registry knows about a model: spec, status, aliases, weight bytes, quantization."""
+        """Everything the registry knows about a model: spec, status, aliases, weight bytes, quantization, and
+        for capacity `pinned`, `keep_alive`, `last_used_at`, `in_flight` and `unloaded_reason`."""
         result: dict[str, Any] = self._call("model_card", model_id)
         return result
 
@@ -194,13 +201,15 @@ class MultiModelBuilder:
         self._default: str | None = None
 
     def add_model(self, which: Any, in_situ_quant: str | None = None, model_id: str | None = None,
-                  load: bool = True) -> MultiModelBuilder:
-        self._models.append(_entry(model_id, which, in_situ_quant, [], load))
+                  load: bool = True, *, pinned: bool = False, keep_alive: str | float | None = None
+                  ) -> MultiModelBuilder:
+        self._models.append(_entry(model_id, which, in_situ_quant, [], load, None, pinned, keep_alive))
         return self
 
     def add_model_with_alias(self, alias: str, which: Any, in_situ_quant: str | None = None,
-                             load: bool = True) -> MultiModelBuilder:
-        self._models.append(_entry(None, which, in_situ_quant, [alias], load))
+                             load: bool = True, *, pinned: bool = False, keep_alive: str | float | None = None
+                             ) -> MultiModelBuilder:
+        self._models.append(_entry(None, which, in_situ_quant, [alias], load, None, pinned, keep_alive))
         return self
 
     def with_default_model(self, model: str) -> MultiModelBuilder:

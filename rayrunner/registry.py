@@ -5,6 +5,11 @@ is written to the state file before it is acknowledged. Loads are single-flight:
 unloaded model all wait on the same load. After a restart the actor reads its file back and checks each model
 against what Serve is actually running. Every saved change also bumps a version that routers long-poll
 (`routing_table`), so they route without asking the registry per request.
+
+Capacity (`max_loaded_models`, `max_loaded_bytes`) is made before a load by evicting idle models (see
+`rayrunner.capacity`); an idle-timer task unloads models whose `keep_alive` ran out. Both know use from the routers'
+batched `report_usage` calls: each router replica counts its open requests per model and sends its counts and
+last-use times at most every half second, never per request.
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ from typing import Any, Literal
 import ray
 
 from rayrunner import model_apps
+from rayrunner.capacity import IDLE, CapacityError, InFlightBook, KeepAlive, Limits, Occupant, idle_deadline, plan_room
 from rayrunner.errors import (
     ModelAlreadyLoadedError,
     ModelAlreadyUnloadedError,
     ModelLoadError,
     ModelReloadingError,
+    RayRunnerError,
     as_rayrunner_error,
 )
+from rayrunner.footprint import estimate_bytes
 from rayrunner.registry_state import ModelEntry, ModelRecord, RegistryConfig, RegistryState
 from rayrunner.sources import cache_dir
 from rayrunner.spec import ModelSpec
@@ -35,6 +43,8 @@ REGISTRY_NAME = "rayrunner-registry"
 NAMESPACE = "rayrunner"
 
 logger = logging.getLogger(__name__)
+_ROOM_POLL_S = 0.5  # how often a load waiting for room re-checks whether a model became evictable
+_IDLE_POLL_S = 0.5  # how often the keep_alive timer looks for models whose time is up
 LoadMode = Literal["deploy", "adopt", "replace"]
 
 
@@ -49,6 +59,10 @@ class Registry:
         self._epoch = uuid.uuid4().hex  # a restarted registry is a new epoch, so routers never trust old versions
         self._changes = 0
         self._changed = asyncio.Event()
+        self._room = asyncio.Lock()  # one load at a time makes room, so two never count the same free slot
+        self._in_flight = InFlightBook()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._idle_timer: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ start-up
 
@@ -62,10 +76,13 @@ class Registry:
             logger.info("config: %s", line)
         self._persist()
         declared = {entry.spec.model_id: entry for entry in self.config.models}
+        await self._ensure_reconciled()  # starts the idle timer; the reconcile below settles every model
         await self._reconcile({mid for mid in changes.added if declared[mid].load}, set(changes.respecified))
         return changes.log
 
     async def _ensure_reconciled(self) -> None:
+        if self._idle_timer is None:
+            self._idle_timer = asyncio.get_running_loop().create_task(self._watch_idle())
         if not self._reconciled:
             await self._reconcile(set(), set())
 
@@ -140,7 +157,8 @@ class Registry:
     def _card(self, model_id: str) -> dict[str, Any]:
         record = self.state.models[model_id]
         card = record.model_dump(mode="json")
-        return {**card, "model_id": model_id, "kind": record.spec.kind, "is_default": model_id == self.state.default_id}
+        return {**card, "model_id": model_id, "kind": record.spec.kind, "is_default": model_id == self.state.default_id,
+                "in_flight": self._in_flight.count(model_id, time.time())}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -148,6 +166,7 @@ class Registry:
         """Auto-reload: return once the model is loaded, joining a load already under way."""
         await self._ensure_reconciled()
         record = self.state.record(name)
+        record.last_used_at = time.time()
         if record.status != "loaded":
             await asyncio.shield(self._loads.get(record.spec.model_id) or self._start_load(record))
         return record.spec.model_id
@@ -171,12 +190,7 @@ class Registry:
         if record.status == "unloaded":
             raise ModelAlreadyUnloadedError(model_id)
         async with self._lock(model_id):
-            record.status = "unloaded"  # the default stays here: a request for `default` reloads it
-            self._persist()
-            await model_apps.scale(record.spec.app_name, 0)
-            await model_apps.wait_gone(record.spec.app_name, self.config.unload_timeout_s)
-            record.info = {}
-            self._persist()
+            await self._scale_down(record, "user")  # the default stays here: a request for `default` reloads it
         return self._card(model_id)
 
     async def add(self, entry: dict[str, Any]) -> dict[str, Any]:
@@ -187,13 +201,14 @@ class Registry:
         parsed = ModelEntry.model_validate(entry)
         model_id = parsed.spec.model_id
         if model_id in self.state.models:
-            self.state.attach(parsed.spec, parsed.aliases)
+            self.state.attach(parsed.spec, parsed.aliases).configure(parsed)
             self._persist()
             if parsed.load:
                 await self.ensure_loaded(model_id)
             return self._card(model_id)
         self.state.check_new(model_id, parsed.aliases)
         record = self.state.add(parsed.spec, parsed.aliases)
+        record.configure(parsed)
         self._persist()
         if parsed.load:
             await asyncio.shield(self._start_load(record))
@@ -224,6 +239,100 @@ class Registry:
             self._persist()
         return self._card(resolved)
 
+    # ------------------------------------------------------------ use and capacity
+
+    async def report_usage(self, router_id: str, in_flight: dict[str, int],
+                           used: dict[str, tuple[float, KeepAlive]]) -> None:
+        """A router replica's batch: its open requests per model now, and per model used since its last report the
+        last use time and that request's own keep_alive (None: the model's)."""
+        self._in_flight.report(router_id, in_flight, time.time())
+        for model_id, (at, keep_alive) in used.items():
+            record = self.state.models.get(model_id)
+            if record is not None:
+                record.last_used_at = max(record.last_used_at or 0.0, at)
+                record.request_keep_alive = keep_alive
+
+    def _busy(self, model_id: str) -> bool:
+        return self._in_flight.count(model_id, time.time()) > 0
+
+    async def _make_room(self, record: ModelRecord) -> None:
+        """Before a load: evict idle models until the new one fits; wait (up to the load timeout) while only busy
+        or pinned models stand in the way. Raises ModelTooLargeError or CapacityError."""
+        limits = Limits(self.config.max_loaded_models, self.config.max_loaded_bytes)
+        if limits == Limits():
+            return
+        deadline = time.monotonic() + self.config.load_timeout_s
+        async with self._room:
+            new_bytes = await self._footprint(record)
+            while True:
+                plan = plan_room(limits, await self._occupants(record.spec.model_id), new_bytes)
+                if not plan.blocked and not plan.victims:
+                    return
+                if not plan.blocked:
+                    await asyncio.gather(*(self._evict(victim, reason) for victim, reason in plan.victims))
+                    continue
+                if time.monotonic() > deadline:
+                    raise CapacityError(f"no room to load `{record.spec.model_id}`: every loaded model is pinned "
+                                        f"or busy, and none became free within {self.config.load_timeout_s:.0f} s")
+                await asyncio.sleep(_ROOM_POLL_S)
+
+    async def _occupants(self, loading: str) -> list[Occupant]:
+        """Every other model that holds memory or is about to (loaded or loading)."""
+        occupants = []
+        for model_id, record in list(self.state.models.items()):
+            if model_id == loading or record.status == "unloaded":
+                continue
+            evictable = record.status == "loaded" and not record.pinned and not self._busy(model_id)
+            occupants.append(Occupant(model_id, await self._footprint(record), record.last_used_at or 0.0,
+                                      record.load_seconds or 0.0, evictable))
+        return occupants
+
+    async def _footprint(self, record: ModelRecord) -> int:
+        """Estimated bytes (only counted under `max_loaded_bytes`); measured weights once the model has loaded."""
+        if self.config.max_loaded_bytes is None:
+            return 0
+        if record.estimated_bytes is None:
+            measured = record.info.get("weight_bytes")
+            record.estimated_bytes = await asyncio.to_thread(estimate_bytes, record.spec, measured)
+        return record.estimated_bytes
+
+    async def _evict(self, model_id: str, reason: str) -> None:
+        """Unload an idle model for `reason`, unless it became busy or unloaded meanwhile, or it is pinned and the
+        reason is capacity."""
+        async with self._lock(model_id):
+            record = self.state.models.get(model_id)
+            pin_holds = record is not None and record.pinned and reason != IDLE  # keep_alive applies to pinned
+            if record is None or record.status != "loaded" or pin_holds or self._busy(model_id):
+                return
+            logger.info("unloading `%s` (%s)", model_id, reason)
+            await self._scale_down(record, reason)
+
+    async def _watch_idle(self) -> None:
+        """The keep_alive timer: unload each loaded, idle model whose keep_alive ran out since its last use."""
+        while True:
+            try:
+                for model_id in self._expired(time.time()):
+                    self._spawn(self._evict(model_id, IDLE))
+            except Exception:
+                logger.exception("keep_alive check failed")
+            await asyncio.sleep(_IDLE_POLL_S)
+
+    def _expired(self, now: float) -> list[str]:
+        expired = []
+        for model_id, record in self.state.models.items():
+            if record.status != "loaded" or model_id in self._loads or self._busy(model_id):
+                continue
+            since = max(record.last_used_at or 0.0, record.loaded_at or 0.0)
+            deadline = idle_deadline(since, record.effective_keep_alive())
+            if deadline is not None and now >= deadline:
+                expired.append(model_id)
+        return expired
+
+    def _spawn(self, work: Any) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(_logged(work))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     # ------------------------------------------------------------ internals
 
     def _lock(self, model_id: str) -> asyncio.Lock:
@@ -249,6 +358,9 @@ class Registry:
     async def _load(self, record: ModelRecord, mode: LoadMode) -> None:
         spec = record.spec
         async with self._lock(spec.model_id):
+            if mode != "adopt":
+                await self._room_or_unloaded(record)
+            started = time.monotonic()
             try:
                 if mode == "replace":
                     await model_apps.delete(spec.app_name)
@@ -256,14 +368,39 @@ class Registry:
                     await self._bring_up(spec)
                 await model_apps.wait_loaded(spec.app_name, self.config.load_timeout_s)
                 record.info = await _replica_info(spec.app_name)
+                record.estimated_bytes = None  # estimated again from the measured weights
+                await self._footprint(record)
             except Exception as exc:
                 await self._fail_load(record, exc)
                 raise ModelLoadError(record.last_error or str(exc)) from None
             record.status = "loaded"
             record.loaded_at = time.time()
+            record.load_seconds = time.monotonic() - started
             record.last_error = None
+            record.unloaded_reason = None
             record.load_count += 1
             self._persist()
+
+    async def _room_or_unloaded(self, record: ModelRecord) -> None:
+        """Make room for the load; when there is none (too large, or no room in time) the model goes back to
+        `unloaded` and the capacity error reaches the waiters as it is (a 400 or a 503, not a load failure)."""
+        try:
+            await self._make_room(record)
+        except RayRunnerError:
+            record.status = "unloaded"
+            self._persist()
+            raise
+
+    async def _scale_down(self, record: ModelRecord, reason: str) -> None:
+        """Unload (caller holds the model's lock): `unloaded` at once, then the replica drains and exits."""
+        record.status = "unloaded"
+        record.unloaded_reason = reason
+        record.request_keep_alive = None
+        self._persist()
+        await model_apps.scale(record.spec.app_name, 0)
+        await model_apps.wait_gone(record.spec.app_name, self.config.unload_timeout_s)
+        record.info = {}
+        self._persist()
 
     async def _bring_up(self, spec: ModelSpec) -> None:
         # Always a fresh deploy from the saved spec (not a scale-up): Serve reports a broken constructor of a new
@@ -294,6 +431,13 @@ async def _replica_info(app: str) -> dict[str, Any]:
     handle = serve.get_deployment_handle(model_apps.DEPLOYMENT, app_name=app)
     result: dict[str, Any] = await handle.info.remote()
     return result
+
+
+async def _logged(work: Any) -> None:
+    try:
+        await work
+    except Exception:
+        logger.exception("background unload failed")
 
 
 RegistryActor = ray.remote(Registry)

@@ -29,6 +29,13 @@ def model_object(card: dict[str, Any]) -> dict[str, Any]:
         "dtype": info.get("dtype"),
         "weight_bytes": info.get("weight_bytes"),
         "quantization": info.get("quantization"),
+        "pinned": card["pinned"],
+        "keep_alive": card["keep_alive"],
+        "last_used_at": card["last_used_at"],
+        "unloaded_reason": card["unloaded_reason"],
+        "load_seconds": card["load_seconds"],
+        "estimated_bytes": card["estimated_bytes"],
+        "in_flight": card["in_flight"],
     }
 
 
@@ -39,4 +46,6 @@ def status_of(card: dict[str, Any]) -> dict[str, Any]:
 def entry_from_add(body: AddModelBody) -> dict[str, Any]:
     """A registry entry; the spec is validated here so a bad one is a 400 before anything is registered."""
     spec = build_spec(body.model_id, body.which, body.in_situ_quant, body.engine)
-    return {"spec": spec.model_dump(mode="json"), "aliases": body.aliases, "load": body.load}
+    # `pinned: false` leaves a registered model as it is (an add of the same spec only attaches to it)
+    return {"spec": spec.model_dump(mode="json"), "aliases": body.aliases, "load": body.load,
+            "pinned": body.pinned or None, "keep_alive": body.keep_alive}

@@ -1,13 +1,15 @@
 """What the router does, independent of HTTP: resolve a model name, make sure it is loaded, call its deployment.
 
-Both faces of the router use it: the FastAPI routes (HTTP) and the deployment's Python methods (handles).
+Both faces of the router use it: the FastAPI routes (HTTP) and the deployment's Python methods (handles). Every
+request is counted open from its start to its last item (`UsageTracker`), which tells the registry what is in use.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 from ray import serve
@@ -18,6 +20,7 @@ from rayrunner.errors import UnsupportedRequestError, client_error
 from rayrunner.registry import get_registry
 from rayrunner.registry_state import RegistryConfig
 from rayrunner.router.routes import RoutingTable
+from rayrunner.router.usage import UsageTracker
 
 T = TypeVar("T")
 
@@ -33,6 +36,7 @@ class RouterService:
         self.config = config
         self.registry = get_registry(config.state_path)
         self.routes = RoutingTable(self.registry)
+        self.usage = UsageTracker(self.registry)
         self._handles: dict[str, DeploymentHandle] = {}
 
     async def start(self) -> None:
@@ -44,36 +48,58 @@ class RouterService:
 
     async def call(self, name: str, method: str, body: dict[str, Any], kinds: set[str]) -> dict[str, Any]:
         """Unary call of `method` on the model named `name`, reloading it first if it is unloaded."""
-        target = await self._ready(name, kinds)
-        handle = self._handle(target["app_name"])
-        result: dict[str, Any] = await self._guard(getattr(handle, method).remote(body), target["model_id"])
+        target = await self._target(name, kinds)
+        with self._open(target["model_id"], body):
+            await self._loaded(target)
+            handle = self._handle(target["app_name"])
+            result: dict[str, Any] = await self._guard(getattr(handle, method).remote(body), target["model_id"])
         return result
 
     async def stream(self, name: str, method: str, body: dict[str, Any], kinds: set[str]) -> AsyncIterator[Any]:
-        """Streaming call. The first item is awaited before returning, so errors surface before any output."""
-        target = await self._ready(name, kinds)
-        handle = self._handle(target["app_name"]).options(stream=True)
-        generator = getattr(handle, method).remote(body)
+        """Streaming call. The first item is awaited before returning, so errors surface before any output. The
+        request counts as open until the stream ends, or is dropped unread."""
+        target = await self._target(name, kinds)
+        model_id = target["model_id"]
+        self.usage.begin(model_id, body.get("keep_alive"))
+        close = _once(lambda: self.usage.end(model_id))
         try:
-            first = await self._guard(generator.__anext__(), target["model_id"])
-        except StopAsyncIteration:
-            first = None
+            await self._loaded(target)
+            generator = getattr(self._handle(target["app_name"]).options(stream=True), method).remote(body)
+            try:
+                first = await self._guard(generator.__anext__(), model_id)
+            except StopAsyncIteration:
+                first = None
+            except BaseException:
+                generator.cancel()
+                raise
         except BaseException:
-            generator.cancel()
+            close()
             raise
-        return _prepend(first, generator, target["model_id"])
+        stream = _prepend(first, generator, model_id, close)
+        weakref.finalize(stream, close)
+        return stream
 
-    async def _ready(self, name: str, kinds: set[str]) -> dict[str, Any]:
-        target = self.routes.get(name) or await self.registry.resolve.remote(name)
+    @contextlib.contextmanager
+    def _open(self, model_id: str, body: dict[str, Any]) -> Iterator[None]:
+        self.usage.begin(model_id, body.get("keep_alive"))
+        try:
+            yield
+        finally:
+            self.usage.end(model_id)
+
+    async def _target(self, name: str, kinds: set[str]) -> dict[str, Any]:
+        target: dict[str, Any] = self.routes.get(name) or await self.registry.resolve.remote(name)
         if target["kind"] not in kinds:
             wanted = "embeddings" if kinds == {"embedding"} else "generation"
             raise UnsupportedRequestError(
                 f"model `{target['model_id']}` is a {target['kind']} model and does not serve {wanted}",
                 param="model",
             )
+        return target
+
+    async def _loaded(self, target: dict[str, Any]) -> None:
         if target["status"] != "loaded":
             await self.registry.ensure_loaded.remote(target["model_id"])
-        return target
 
     def _handle(self, app: str) -> DeploymentHandle:
         if app not in self._handles:
@@ -109,7 +135,7 @@ class RouterService:
                     await self.routes.refresh()
 
 
-async def _prepend(first: Any, rest: Any, model_id: str) -> AsyncIterator[Any]:
+async def _prepend(first: Any, rest: Any, model_id: str, close: Callable[[], None]) -> AsyncIterator[Any]:
     try:
         if first is not None:
             yield first
@@ -119,3 +145,17 @@ async def _prepend(first: Any, rest: Any, model_id: str) -> AsyncIterator[Any]:
         raise client_error(exc, model_id) from None
     finally:
         rest.cancel()
+        close()
+
+
+def _once(action: Callable[[], None]) -> Callable[[], None]:
+    """`action`, run on the first call only (a stream is closed by its end or, if never read, by its collection)."""
+    done = False
+
+    def run() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            action()
+
+    return run

@@ -1,0 +1,136 @@
+"""Capacity and keep_alive on a real cluster: with `max_loaded_models: 2`, a third model evicts the least recently
+used idle one (its card says why), a request for an evicted model reloads it, a pinned model stays, a model busy with
+a stream is not evicted until the stream ends, and an idle model is unloaded when its keep_alive (the model's or
+the request's) runs out. Tiny random models; the tests run in order, each starting from the state the last left."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import Service, model_entry
+
+REPORT_WAIT_S = 1.5  # routers report use in batches of about half a second
+
+
+@pytest.fixture(scope="module")
+def service(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Service]:
+    config = {
+        "models": [
+            model_entry("m1", tiny_llama_dir),
+            model_entry("m2", tiny_llama_dir),
+            model_entry("m3", tiny_llama_dir, load=False),
+        ],
+        "max_loaded_models": 2,
+        "state_path": str(cluster["state_dir"] / "capacity.json"),
+    }
+    svc = Service(cluster, config)
+    yield svc
+    svc.close()
+
+
+def use(service: Service, *models: str, **extra: Any) -> None:
+    """One short chat per model, in order (the last is the most recently used), then let the use be reported."""
+    for model in models:
+        response = service.chat("hi", model=model, max_tokens=2, **extra)
+        assert response.status_code == 200, response.text
+    time.sleep(REPORT_WAIT_S)
+
+
+def loaded(service: Service) -> set[str]:
+    return {m["id"] for m in service.http.get("/v1/models").json()["data"] if m["status"] == "loaded"}
+
+
+def wait_for(check: Any, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
+def test_a_third_model_evicts_the_least_recently_used(service: Service) -> None:
+    wait_for(lambda: loaded(service) == {"m1", "m2"}, 120)
+    use(service, "m2", "m1")
+    use(service, "m3")
+    assert loaded(service) == {"m1", "m3"}
+    card = service.card("m2")
+    assert card["status"] == "unloaded" and card["unloaded_reason"] == "evicted: max_loaded_models"
+    assert card["last_used_at"] is not None and card["pinned"] is False
+    assert service.card("m3")["unloaded_reason"] is None and service.card("m3")["load_seconds"] > 0
+
+
+def test_a_request_for_an_evicted_model_reloads_it(service: Service) -> None:
+    use(service, "m2")  # m1 was used before m3: it goes
+    assert loaded(service) == {"m2", "m3"}
+    assert service.card("m1")["unloaded_reason"] == "evicted: max_loaded_models"
+    assert service.card("m2")["unloaded_reason"] is None
+
+
+def test_a_pinned_model_is_never_evicted(service: Service, tiny_llama_dir: str) -> None:
+    which = {"type": "plain", "model_id": tiny_llama_dir}
+    pinned = service.http.post("/v1/models/add", json={"model_id": "m3", "which": which, "pinned": True})
+    assert pinned.status_code in (200, 201) and pinned.json()["pinned"] is True
+    use(service, "m3", "m2")
+    use(service, "m1")  # m3 is the least recently used, but pinned
+    assert loaded(service) == {"m1", "m3"}
+    assert service.card("m2")["unloaded_reason"] == "evicted: max_loaded_models"
+    use(service, "m2")
+    assert loaded(service) == {"m2", "m3"} and service.card("m3")["pinned"] is True
+
+
+def test_a_model_streaming_is_not_evicted_mid_stream(service: Service) -> None:
+    body = {"model": "m2", "messages": [{"role": "user", "content": "go"}], "max_tokens": 1500, "stream": True,
+            "stop": []}
+    lines: list[str] = []
+    ended: dict[str, float] = {}
+
+    def consume() -> None:
+        with service.http.stream("POST", "/v1/chat/completions", json=body) as response:
+            lines.extend(response.iter_lines())
+        ended["stream"] = time.monotonic()
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    wait_for(lambda: service.card("m2")["in_flight"] > 0)
+    waiting = threading.Thread(target=lambda: ended.update(
+        m1=time.monotonic() if service.chat("hi", model="m1", max_tokens=2).status_code == 200 else -1.0))
+    waiting.start()  # m3 is pinned and m2 busy: the load of m1 waits for room
+    asked = time.monotonic()
+    while reader.is_alive():
+        assert service.card("m2")["status"] == "loaded"
+        time.sleep(0.1)
+    waiting.join()
+    data = [line for line in lines if line.startswith("data: ")]
+    assert data[-1] == "data: [DONE]" and '"finish_reason"' in data[-2] and "error" not in data[-2]
+    assert asked < ended["stream"] < ended["m1"]
+    assert loaded(service) == {"m1", "m3"}
+    assert service.card("m2")["unloaded_reason"] == "evicted: max_loaded_models"
+
+
+def test_keep_alive_unloads_an_idle_model(service: Service, tiny_llama_dir: str) -> None:
+    which = {"type": "plain", "model_id": tiny_llama_dir}
+    added = service.http.post("/v1/models/add", json={"model_id": "brief", "which": which, "keep_alive": "3s"})
+    assert added.status_code == 201, added.text
+    assert added.json()["keep_alive"] == "3s"
+    response = service.chat("hi", model="brief", max_tokens=2)
+    assert response.status_code == 200
+    done = time.monotonic()
+    wait_for(lambda: service.card("brief")["status"] == "unloaded", 30)
+    assert 2.0 <= time.monotonic() - done <= 8.0
+    assert service.card("brief")["unloaded_reason"] == "idle"
+    assert service.http.post("/v1/models/remove", json={"model_id": "brief"}).status_code == 200
+
+
+def test_a_request_keep_alive_sets_the_models_deadline(service: Service) -> None:
+    use(service, "m1", keep_alive="1s")
+    wait_for(lambda: service.card("m1")["status"] == "unloaded", 30)
+    assert service.card("m1")["unloaded_reason"] == "idle"
+    use(service, "m1")  # without keep_alive: the model's own (forever) again
+    time.sleep(3)
+    assert service.card("m1")["status"] == "loaded"
+    bad = service.chat("hi", model="m1", keep_alive="soon")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "keep_alive"
