@@ -117,3 +117,13 @@ def test_byte_estimate_reads_the_safetensors_header(tmp_path: Path) -> None:
     assert estimate_bytes(build_spec("m", {"type": "plain", "model_id": str(tmp_path)}, "Q4K")) == weights // 2 + kv
     assert estimate_bytes(build_spec("m", {"type": "plain", "model_id": str(tmp_path)}), 5000) == 5000 + kv
     assert estimate_bytes(build_spec("m", {"type": "plain", "model_id": "nobody/nothing"})) == 0
+
+
+def test_python_entries_carry_pinned_and_keep_alive() -> None:
+    from rayrunner.client import _entry
+
+    entry = ModelEntry.model_validate(_entry("m", {"type": "plain", "model_id": "x"}, None, [], False,
+                                             pinned=True, keep_alive="5m"))
+    assert entry.pinned is True and entry.keep_alive == "5m"
+    unpinned = ModelEntry.model_validate(_entry("m", {"type": "plain", "model_id": "x"}, None, [], False))
+    assert unpinned.pinned is None and unpinned.keep_alive is None  # an add of a registered model keeps its own
