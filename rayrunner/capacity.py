@@ -13,7 +13,7 @@ from typing import Any
 
 from rayrunner.errors import InvalidRequestError, RayRunnerError
 
-KeepAlive = str | float | None
+KeepAlive = str | int | float | None
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 

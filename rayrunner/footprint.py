@@ -20,24 +20,27 @@ _KV_TOKENS_CAP = 4096  # a reserve for one sequence, not the model's whole conte
 
 
 def estimate_bytes(spec: ModelSpec, measured_weight_bytes: int | None = None) -> int:
-    """Weights plus KV reserve; 0 when the weights cannot be found locally (nothing is downloaded here)."""
+    """Weights plus KV reserve; 0 when the weights cannot be found or read locally (nothing is downloaded here)."""
     folder, gguf_file = _local_source(spec)
     if folder is None:
         return measured_weight_bytes or 0
-    weights = measured_weight_bytes or _weight_bytes(spec, folder, gguf_file)
-    return weights + _kv_reserve(spec, folder)
+    try:
+        weights = measured_weight_bytes or _weight_bytes(spec, folder, gguf_file)
+        return weights + _kv_reserve(spec, folder)
+    except (OSError, ValueError, struct.error):  # unreadable files: the load itself will say what is wrong
+        return measured_weight_bytes or 0
 
 
 def _local_source(spec: ModelSpec) -> tuple[Path | None, str | None]:
     """The weights folder (and GGUF file) when they are on this machine: a folder, a file, a builtin, or a hub
     id already in the cache."""
-    from rayrunner.sources import resolve
+    from rayrunner.sources import BUILTIN, resolve
 
     which = spec.which
     gguf_file = which.quantized_filename if isinstance(which, GGUF) else None
     location = which.quantized_model_id if isinstance(which, GGUF) else which.model_id
     try:
-        if Path(location).expanduser().exists() or "/" not in location:
+        if location in BUILTIN or Path(location).expanduser().exists():
             source = resolve(location, gguf_file)
             return Path(source.path), source.gguf_file
         return _cached_hub_folder(location, which.revision, which.hf_cache_path), gguf_file

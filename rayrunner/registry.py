@@ -31,7 +31,6 @@ from rayrunner.errors import (
     ModelAlreadyUnloadedError,
     ModelLoadError,
     ModelReloadingError,
-    RayRunnerError,
     as_rayrunner_error,
 )
 from rayrunner.footprint import estimate_bytes
@@ -272,8 +271,9 @@ class Registry:
                     await asyncio.gather(*(self._evict(victim, reason) for victim, reason in plan.victims))
                     continue
                 if time.monotonic() > deadline:
-                    raise CapacityError(f"no room to load `{record.spec.model_id}`: every loaded model is pinned "
-                                        f"or busy, and none became free within {self.config.load_timeout_s:.0f} s")
+                    raise CapacityError(f"no room to load `{record.spec.model_id}`: the other models are pinned, "
+                                        f"busy or loading, and none became free within "
+                                        f"{self.config.load_timeout_s:.0f} s")
                 await asyncio.sleep(_ROOM_POLL_S)
 
     async def _occupants(self, loading: str) -> list[Occupant]:
@@ -299,13 +299,17 @@ class Registry:
     async def _evict(self, model_id: str, reason: str) -> None:
         """Unload an idle model for `reason`, unless it became busy or unloaded meanwhile, or it is pinned and the
         reason is capacity."""
+        if not self._evictable(model_id, reason):
+            return  # checked before the lock too: a model that began loading holds its lock while it waits for room
         async with self._lock(model_id):
-            record = self.state.models.get(model_id)
-            pin_holds = record is not None and record.pinned and reason != IDLE  # keep_alive applies to pinned
-            if record is None or record.status != "loaded" or pin_holds or self._busy(model_id):
-                return
-            logger.info("unloading `%s` (%s)", model_id, reason)
-            await self._scale_down(record, reason)
+            if self._evictable(model_id, reason):
+                logger.info("unloading `%s` (%s)", model_id, reason)
+                await self._scale_down(self.state.models[model_id], reason)
+
+    def _evictable(self, model_id: str, reason: str) -> bool:
+        record = self.state.models.get(model_id)
+        pin_holds = record is not None and record.pinned and reason != IDLE  # keep_alive applies to pinned models
+        return record is not None and record.status == "loaded" and not pin_holds and not self._busy(model_id)
 
     async def _watch_idle(self) -> None:
         """The keep_alive timer: unload each loaded, idle model whose keep_alive ran out since its last use."""
@@ -386,7 +390,7 @@ class Registry:
         `unloaded` and the capacity error reaches the waiters as it is (a 400 or a 503, not a load failure)."""
         try:
             await self._make_room(record)
-        except RayRunnerError:
+        except Exception:
             record.status = "unloaded"
             self._persist()
             raise
