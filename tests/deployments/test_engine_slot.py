@@ -17,7 +17,8 @@ ASK = {"messages": [{"role": "user", "content": "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def server() -> ModelServer:
-    return ModelServer(build_spec("smol", {"type": "plain", "model_id": "smollm2-135m-instruct"}).model_dump(mode="json"))
+    spec = build_spec("smol", {"type": "plain", "model_id": "smollm2-135m-instruct"})
+    return ModelServer(spec.model_dump(mode="json"))
 
 
 def _rss() -> int:
