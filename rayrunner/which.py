@@ -78,7 +78,17 @@ class GGUF(_Which):
     arch: Architecture | None = None
 
 
-AnyWhich = Plain | MultimodalPlain | Embedding | GGUF
+class Lora(_Which):
+    """A LoRA adapter (a peft folder) served by its base model's replica: one forward pass mixes rows of several
+    adapters and of the base model. `revision` is the base model's; `hf_cache_path` serves both."""
+
+    type: Literal["lora"] = "lora"
+    model_id: str = Field(description="The base model: local folder, hub id, or builtin name.")
+    adapter: str = Field(description="The adapter: local folder or hub id holding `adapter_config.json`.")
+    arch: Architecture | None = None
+
+
+AnyWhich = Plain | MultimodalPlain | Embedding | GGUF | Lora
 WhichSpec = Annotated[AnyWhich, Field(discriminator="type")]
 _ADAPTER: TypeAdapter[AnyWhich] = TypeAdapter(WhichSpec)
 
@@ -90,6 +100,7 @@ class Which:
     MultimodalPlain = MultimodalPlain
     Embedding = Embedding
     GGUF = GGUF
+    Lora = Lora
 
     @staticmethod
     def parse(value: Any) -> AnyWhich:
@@ -105,5 +116,5 @@ class Which:
 def _first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err["loc"])
-    hint = " (expected type: plain, multimodal_plain, embedding or gguf)" if "type" in where or not where else ""
+    hint = " (expected type: plain, multimodal_plain, embedding, gguf or lora)" if "type" in where or not where else ""
     return f"{where}: {err['msg']}{hint}" if where else err["msg"] + hint
