@@ -4,12 +4,15 @@ Every step it
 1. drops cancelled sequences (a client that hung up stops costing work at once),
 2. admits waiting sequences while fewer than `max_num_seqs` run, and prefills at most one chunk's worth of prompt
    tokens: several short prompts as one padded batch, or the next `prefill_chunk_tokens` of one long prompt, so
-   running streams wait at most one chunk per step,
+   running streams wait at most one chunk per step (a request for a LoRA adapter waits while `max_adapters` other
+   adapters are in use),
 3. decodes one token for every running sequence in one forward pass over the shared `BatchCache`, with each
    sequence's own sampling settings (`sampling.sample`), and retires the ones that finished.
 Sequences join and leave between steps without recomputing anyone else's cache. Past `max_queued_requests` waiting
 sequences, `submit` refuses with `ServerOverloadedError` (HTTP 429). The loop runs on the engine's `ComputeThread`,
-the thread that loaded the model (`compute_thread` says why one thread does all the work).
+the thread that loaded the model (`compute_thread` says why one thread does all the work). With LoRA adapters, every
+forward passes each row's adapter (`lora.LoraAdapters.forward`), so one batch mixes adapters and the base model;
+adapters are loaded between steps (`between_steps`) or when a sequence first needs one.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,12 +34,14 @@ from rayrunner.deployments.compute_thread import ComputeThread
 from rayrunner.deployments.detokenizer import Detokenizer
 from rayrunner.deployments.engine import GenerationEvent, TokenLogprob
 from rayrunner.deployments.kv_batch import BatchCache, mergeable, new_cache
+from rayrunner.deployments.lora import LoraAdapters
 from rayrunner.deployments.sampling import Logprob, SamplingParams, logprobs_of, sample
 from rayrunner.deployments.sequence import Sequence, events_of
 from rayrunner.errors import InvalidRequestError, ServerOverloadedError
 from rayrunner.spec import EngineSettings
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -53,8 +58,9 @@ def scheduler_limits(settings: EngineSettings) -> SchedulerLimits:
 class StepScheduler:
     """Runs one model's sequences step by step in a daemon thread; `submit` may be called from any thread."""
 
-    def __init__(self, model: Any, limits: SchedulerLimits) -> None:
+    def __init__(self, model: Any, limits: SchedulerLimits, adapters: LoraAdapters | None = None) -> None:
         self.model = model
+        self.adapters = adapters
         self.device = model.device
         self.limits = limits
         self.max_running = limits.max_num_seqs if mergeable(model.config) else 1
@@ -66,6 +72,7 @@ class StepScheduler:
         self._batch: BatchCache | None = None
         self._chunking: tuple[Sequence, BatchCache] | None = None  # a long prompt being prefilled chunk by chunk
         self._prefilling: list[Sequence] = []  # taken from the queue, not yet running
+        self._jobs: collections.deque[tuple[Callable[[], Any], Future[Any]]] = collections.deque()
         self._closed = False
         self._loop_done: Future[None] | None = None
         self.steps = 0
@@ -82,13 +89,15 @@ class StepScheduler:
             self._cond.notify()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, detokenizer: Detokenizer, eos_ids: set[int],
-                 extra_inputs: dict[str, torch.Tensor] | None = None) -> AsyncIterator[GenerationEvent]:
-        """Queue a request's sequence, with a fork per extra choice (from the replica's event loop); its events."""
+                 extra_inputs: dict[str, torch.Tensor] | None = None, adapter: str | None = None
+                 ) -> AsyncIterator[GenerationEvent]:
+        """Queue a request's sequence, with a fork per extra choice (from the replica's event loop); its events.
+        `adapter` names the LoRA adapter the request runs with (None: the base model)."""
         if params.n > self.max_running:
             raise InvalidRequestError(f"n is {params.n}; this model runs at most {self.max_running} sequences at once",
                                       param="n")
         sequence = Sequence(prompt_ids, params, detokenizer, eos_ids, asyncio.get_running_loop(),
-                            extra_inputs=extra_inputs or {})
+                            extra_inputs=extra_inputs or {}, adapter=adapter)
         sequence.forks = [sequence.fork(i) for i in range(1, params.n)]
         self.submit(sequence)
         return events_of(sequence)
@@ -103,6 +112,20 @@ class StepScheduler:
         """Sequence slots no admitted sequence holds (call with the lock held)."""
         held = len(self._running) + sum(s.slots for s in self._prefilling)
         return self.max_running - held - (self._chunking[0].slots if self._chunking is not None else 0)
+
+    def between_steps(self, fn: Callable[[], T]) -> Future[T]:
+        """Run `fn` on the scheduler's thread before its next step (e.g. loading an adapter into the model)."""
+        future: Future[T] = Future()
+        with self._cond:
+            self._jobs.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def active_adapters(self) -> set[str]:
+        """Adapters of the admitted sequences, which eviction must spare (call on the scheduler thread)."""
+        with self._cond:
+            admitted = [*self._running, *self._prefilling, *([self._chunking[0]] if self._chunking else [])]
+        return {s.adapter for s in admitted if s.adapter is not None}
 
     def start(self, compute: ComputeThread) -> None:
         """Run steps on `compute` whenever there is work (tests may instead call `step` themselves)."""
@@ -123,7 +146,7 @@ class StepScheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._closed or self._waiting or self._running or self._chunking):
+                while not (self._closed or self._waiting or self._running or self._chunking or self._jobs):
                     self._cond.wait()
                 if self._closed:
                     return
@@ -132,10 +155,21 @@ class StepScheduler:
 
     def step(self) -> None:
         """One scheduling step (public for tests that drive the scheduler without its thread)."""
+        self._run_jobs()
         self._drop_cancelled()
         self._prefill()
         self._decode()
         self.steps += 1
+
+    def _run_jobs(self) -> None:
+        while self._jobs:
+            with self._cond:
+                fn, future = self._jobs.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as exc:  # handed to whoever waits on the job
+                    future.set_exception(exc)
 
     def _drop_cancelled(self) -> None:
         with self._cond:
@@ -157,6 +191,8 @@ class StepScheduler:
                 longest = max([len(s.prompt_ids) for s in group] + [len(candidate.prompt_ids)])
                 if group and (alone or self._alone(group[0]) or longest * (len(group) + 1) > budget):
                     break
+                if not self._adapter_room(candidate, group):
+                    break
                 group.append(self._waiting.popleft())
                 if alone:
                     break
@@ -165,6 +201,14 @@ class StepScheduler:
                 return []
             self._prefilling = group
         return group
+
+    def _adapter_room(self, candidate: Sequence, group: list[Sequence]) -> bool:
+        """Whether `candidate` may start without more than `max_adapters` adapters in use (call with the lock held:
+        it reads `_running`)."""
+        if self.adapters is None or candidate.adapter is None:
+            return True
+        in_use = {s.adapter for s in [*self._running, *group] if s.adapter is not None}
+        return candidate.adapter in in_use or len(in_use) < self.adapters.max_adapters
 
     def _alone(self, sequence: Sequence) -> bool:
         """Prefilled in a pass of its own: images, a prompt scored for logprobs, or a prompt of several chunks."""
@@ -196,7 +240,7 @@ class StepScheduler:
         cache = BatchCache(new_cache(self.model.config), mask)
         extra = group[0].extra_inputs if len(group) == 1 else {}
         scored = group[0].params.prompt_logprobs  # then the group is this one sequence, unpadded
-        logits = self._forward(ids, mask, positions, cache, extra, every_position=scored)
+        logits = self._forward(group, ids, mask, positions, cache, extra, every_position=scored)
         if scored:
             self._score_prompt(group[0], logits[0], 0)
         self._started(group, logits[:, -1, :], cache)
@@ -208,7 +252,8 @@ class StepScheduler:
         ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(chunk), device=self.device).unsqueeze(0)
         scored = sequence.params.prompt_logprobs
-        logits = self._forward(ids, cache.mask_with(len(chunk)), positions, cache, every_position=scored)
+        logits = self._forward([sequence], ids, cache.mask_with(len(chunk)), positions, cache,
+                               every_position=scored)
         if scored:
             self._score_prompt(sequence, logits[0], start)
         sequence.prefilled += len(chunk)
@@ -251,7 +296,7 @@ class StepScheduler:
         ids = torch.tensor([[s.output_ids[-1]] for s in running], dtype=torch.long, device=self.device)
 
         def run() -> None:
-            logits = self._forward(ids, batch.mask_with(1), batch.next_positions(), batch)
+            logits = self._forward(running, ids, batch.mask_with(1), batch.next_positions(), batch)
             self._sample(running, logits[:, -1, :])
 
         self._guarded(running, run)
@@ -284,12 +329,17 @@ class StepScheduler:
         elif self._batch is not None:
             self._batch.keep(keep)
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: BatchCache,
-                 extra: dict[str, torch.Tensor] | None = None, every_position: bool = False) -> torch.Tensor:
-        """Run the model over `ids`, appending to `cache`; the logits [rows, positions, vocab] of each row's last
-        position, or of every position."""
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache.cache,
-                         logits_to_keep=0 if every_position else 1, **(extra or {}))
+    def _forward(self, rows: list[Sequence], ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 cache: BatchCache, extra: dict[str, torch.Tensor] | None = None, every_position: bool = False
+                 ) -> torch.Tensor:
+        """Run the model over `ids` (row i of sequence `rows[i]`, with its adapter), appending to `cache`; the
+        logits [rows, positions, vocab] of each row's last position, or of every position."""
+        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "cache": cache.cache,
+                  "logits_to_keep": 0 if every_position else 1, **(extra or {})}
+        if self.adapters is None:
+            out = self.model(**inputs)
+        else:
+            out = self.adapters.forward([s.adapter for s in rows], self.active_adapters(), **inputs)
         cache.grew(mask)
         return out.logits
 

@@ -24,7 +24,8 @@ from rayrunner.deployments.sampling import Logprob, SamplingParams, SamplingRow,
 
 @dataclass(eq=False)
 class Sequence:
-    """A request being generated. `extra_inputs` (e.g. `pixel_values`) go to the prefill forward pass only."""
+    """A request being generated. `extra_inputs` (e.g. `pixel_values`) go to the prefill forward pass only;
+    `adapter` names the LoRA adapter every forward pass of it uses (None: the base model)."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -32,6 +33,7 @@ class Sequence:
     eos_ids: set[int]
     loop: asyncio.AbstractEventLoop
     extra_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    adapter: str | None = None
     index: int = 0
     forks: list[Sequence] = field(default_factory=list)  # the request's other choices, sharing this prefill
     output_ids: list[int] = field(default_factory=list)
@@ -49,7 +51,7 @@ class Sequence:
         """Choice `index` of the same request: its own detokenizer and random stream (seed + index)."""
         params = dataclasses.replace(self.params, seed=None if self.params.seed is None else self.params.seed + index)
         return Sequence(self.prompt_ids, params, self.detokenizer.copy_empty(), self.eos_ids, self.loop,
-                        index=index, events=self.events)
+                        index=index, events=self.events, adapter=self.adapter)
 
     @property
     def choices(self) -> list[Sequence]:

@@ -1,7 +1,12 @@
-"""Text generation engine: a causal LM from transformers, run by the step scheduler with token streaming."""
+"""Text generation engine: a causal LM from transformers, run by the step scheduler with token streaming.
+
+LoRA adapters (`load_adapter`, or the spec's own when it is a `Which.Lora`) are served by the same model: a request
+names one by `adapter`, and the scheduler mixes adapters and the base model in one batch (`lora` says how).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncIterator, Callable
 
@@ -12,6 +17,7 @@ from rayrunner.deployments.compute_thread import ComputeThread
 from rayrunner.deployments.constrained import Grammars
 from rayrunner.deployments.detokenizer import Detokenizer
 from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, describe
+from rayrunner.deployments.lora import LoraAdapters, adapter_folder
 from rayrunner.deployments.sampling import LogitsProcessor, SamplingParams
 from rayrunner.deployments.scheduler import StepScheduler, scheduler_limits
 from rayrunner.deployments.sequence import stop_ids
@@ -21,6 +27,7 @@ from rayrunner.loading import Loaded, load_model
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from rayrunner.spec import ModelSpec
 from rayrunner.tool_calls import forced_call_schema, tool_format
+from rayrunner.which import Lora
 
 
 class TextEngine(Engine):
@@ -35,12 +42,30 @@ class TextEngine(Engine):
         self.eos_ids = stop_ids(self.model, self.tokenizer)
         config_limit = getattr(self.model.config, "max_position_embeddings", 0)
         self.max_seq_len = int(spec.engine.max_seq_len or config_limit or 4096)
-        self.scheduler = StepScheduler(self.model, scheduler_limits(spec.engine))
+        self.adapters = LoraAdapters(self.model, spec.engine.max_adapters)
+        self.default_adapter = self._spec_adapter(spec)
+        self.scheduler = StepScheduler(self.model, scheduler_limits(spec.engine), self.adapters)
         self.scheduler.start(self.compute)
+
+    def _spec_adapter(self, spec: ModelSpec) -> str | None:
+        """A `Which.Lora` spec serves its adapter, named by the model id, to requests that name none."""
+        if not isinstance(spec.which, Lora):
+            return None
+        self.adapters.register(spec.model_id, adapter_folder(spec.which.adapter, spec.which.hf_cache_path))
+        self.compute.call(self.adapters.load, spec.model_id)
+        return spec.model_id
+
+    async def load_adapter(self, name: str, source: str) -> None:
+        """Load the LoRA adapter at `source` (folder or hub id) as `name`, on the compute thread between steps (a
+        name already loaded from another folder is refused)."""
+        folder = await asyncio.to_thread(adapter_folder, source, getattr(self.spec.which, "hf_cache_path", None))
+        self.adapters.register(name, folder)
+        await asyncio.wrap_future(self.scheduler.between_steps(
+            lambda: self.adapters.load(name, self.scheduler.active_adapters())))
 
     def info(self) -> EngineInfo:
         extra = {"max_seq_len": self.max_seq_len, "model_type": self.model.config.model_type,
-                 "scheduler": self.scheduler.stats()}
+                 "scheduler": self.scheduler.stats(), "adapters": self.adapters.loaded}
         return describe(self.kind, self.loaded, extra)
 
     @functools.cached_property
@@ -48,14 +73,15 @@ class TextEngine(Engine):
         """Built on the first structured request (llguidance indexes the vocabulary in ~0.2 s)."""
         return Grammars(self.tokenizer, self.eos_ids, self.model.config.vocab_size)
 
-    def chat(self, request: ChatCompletionRequest, params: SamplingParams) -> AsyncIterator[GenerationEvent]:
+    def chat(self, request: ChatCompletionRequest, params: SamplingParams, adapter: str | None = None
+             ) -> AsyncIterator[GenerationEvent]:
         if request.has_images():
             raise UnsupportedRequestError("this is a text model: image inputs need a multimodal model")
         text = render_chat(self.tokenizer, request.messages, request.tools, self.spec.engine.chat_template,
                            tool_choice_none=request.tool_choice == "none")
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         params.constraint = self._constraint(request)
-        return self._generate(ids, params)
+        return self._generate(ids, params, adapter)
 
     def tool_replies(self, request: ChatCompletionRequest) -> ToolReplies | None:
         template = chat_template_text(self.tokenizer, self.spec.engine.chat_template, request.tools)
@@ -68,18 +94,24 @@ class TextEngine(Engine):
             return self.grammars.json_schema(forced_call_schema(request.tools, request.tool_choice, parallel))
         return self.grammars.for_response_format(request.response_format)
 
-    def complete(self, request: CompletionRequest, params: SamplingParams) -> AsyncIterator[GenerationEvent]:
+    def complete(self, request: CompletionRequest, params: SamplingParams, adapter: str | None = None
+                 ) -> AsyncIterator[GenerationEvent]:
         ids = self.tokenizer(request.prompt_text())["input_ids"]
-        return self._generate(ids, params)
+        return self._generate(ids, params, adapter)
 
-    def _generate(self, ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationEvent]:
+    def _generate(self, ids: list[int], params: SamplingParams, adapter: str | None) -> AsyncIterator[GenerationEvent]:
+        """Queue `ids` with the request's adapter (the spec's own when it names none)."""
+        adapter = adapter or self.default_adapter
+        if adapter is not None:
+            self.adapters.check(adapter)
         room = self.max_seq_len - len(ids)
         if room < 1:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens; this model's limit is {self.max_seq_len}", param="messages"
             )
         params.max_tokens = min(params.max_tokens, room)
-        return self.scheduler.generate(ids, params, Detokenizer(self.tokenizer, params.stop), self.eos_ids)
+        return self.scheduler.generate(ids, params, Detokenizer(self.tokenizer, params.stop), self.eos_ids,
+                                       adapter=adapter)
 
     def close(self) -> None:
         self.scheduler.close()
