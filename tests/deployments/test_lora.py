@@ -5,6 +5,7 @@ token for token, share a batch with each other and the base model without changi
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -14,10 +15,11 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from rayrunner.deployments.lora import LoraAdapters
+from rayrunner.deployments.lora import LoraAdapters, adapter_folder
+from rayrunner.deployments.model_server import _request_adapter
 from rayrunner.deployments.sampling import SamplingParams
 from rayrunner.deployments.text_engine import TextEngine
-from rayrunner.errors import InvalidRequestError
+from rayrunner.errors import InvalidRequestError, ModelLoadError
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
 from rayrunner.sources import SMOLLM2, resolve
 from rayrunner.spec import build_spec
@@ -142,3 +144,33 @@ async def test_unknown_adapters_and_folders_are_refused(engine: TextEngine, tmp_
         await _chat(engine, PROMPTS[0], "nope")
     with pytest.raises(InvalidRequestError, match="adapter_config.json"):
         await engine.load_adapter("empty", str(tmp_path))
+
+
+async def test_a_new_adapter_waits_while_max_adapters_others_run(engine: TextEngine, adapters: dict[str, str]) -> None:
+    for name in ("alpha", "beta", "gamma"):
+        await engine.load_adapter(name, adapters[name])
+    times: dict[str, tuple[float, float]] = {}
+
+    async def timed(adapter: str, max_tokens: int) -> None:
+        request = CompletionRequest(prompt="Once upon a time")
+        params = SamplingParams(max_tokens=max_tokens)
+        stamps = [time.monotonic() async for _ in engine.complete(request, params, adapter)]
+        times[adapter] = (stamps[0], stamps[-1])
+
+    await asyncio.gather(timed("alpha", 8), timed("beta", 8), timed("gamma", 2))
+    assert times["gamma"][0] > min(times["alpha"][1], times["beta"][1])
+    assert len(engine.adapters.loaded) == 2
+
+
+async def test_the_model_server_reads_the_adapter_from_the_body(engine: TextEngine, adapters: dict[str, str]) -> None:
+    assert await _request_adapter(engine, {"model": "x"}) is None
+    body = {"adapter": "delta", "adapter_source": adapters["beta"]}
+    assert await _request_adapter(engine, body) == "delta" and "delta" in engine.adapters.loaded
+    with pytest.raises(InvalidRequestError, match="adapter"):
+        await _request_adapter(engine, {"adapter": 3})
+
+
+def test_a_hub_adapter_missing_from_the_cache_is_a_load_error(tmp_path: Path) -> None:
+    """Offline (as tests run) the empty cache has nothing; online the hub answers 404."""
+    with pytest.raises(ModelLoadError, match="no-such/adapter"):
+        adapter_folder("no-such/adapter", str(tmp_path))
