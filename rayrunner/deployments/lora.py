@@ -87,6 +87,7 @@ class LoraAdapters:
         try:
             self._load_weights(self._peft_names[name], folder)
         except Exception as exc:
+            self._forget(name)
             raise ModelLoadError(f"cannot load LoRA adapter `{name}` from `{folder}`: {type(exc).__name__}: {exc}"
                                  ) from None
         self._loaded[name] = None
@@ -100,6 +101,12 @@ class LoraAdapters:
         else:
             self.peft.load_adapter(folder, adapter_name=name, is_trainable=False)
         self.peft.eval()
+
+    def _forget(self, name: str) -> None:
+        """Drop an adapter that failed to load (and whatever peft kept of it), so requests for it are refused."""
+        del self._folders[name]
+        if self.peft is not None and self._peft_names[name] in self.peft.peft_config:
+            self.peft.delete_adapter(self._peft_names[name])
 
     def _evict(self, keep: set[str]) -> None:
         for name in [n for n in self._loaded if n not in keep][: max(0, len(self._loaded) - self.max_adapters)]:

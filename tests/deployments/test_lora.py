@@ -144,6 +144,11 @@ async def test_unknown_adapters_and_folders_are_refused(engine: TextEngine, tmp_
         await _chat(engine, PROMPTS[0], "nope")
     with pytest.raises(InvalidRequestError, match="adapter_config.json"):
         await engine.load_adapter("empty", str(tmp_path))
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="broken"):
+        await engine.load_adapter("broken", str(tmp_path))
+    with pytest.raises(InvalidRequestError, match="not loaded"):  # forgotten, not retried on every request
+        await _chat(engine, PROMPTS[0], "broken")
 
 
 async def test_a_new_adapter_waits_while_max_adapters_others_run(engine: TextEngine, adapters: dict[str, str]) -> None:
