@@ -113,8 +113,10 @@ class Runner:
     def set_default_model_id(self, model_id: str) -> None:
         self._call("set_default_model_id", model_id)
 
-    def unload_model(self, model_id: str) -> None:
-        self._call("unload_model", model_id)
+    def unload_model(self, model_id: str, mode: str = "stop") -> None:
+        """`mode="stop"` frees everything (the replica exits); `"sleep"` keeps the replica process and frees the
+        weights, so the next request or reload wakes it much faster. Either way the status is `unloaded`."""
+        self._call("unload_model", model_id, mode)
 
     def reload_model(self, model_id: str) -> None:
         self._call("reload_model", model_id)

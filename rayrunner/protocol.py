@@ -451,6 +451,11 @@ class ModelIdBody(BaseModel):
     model_id: str = Field(min_length=1)
 
 
+class UnloadBody(ModelIdBody):
+    mode: Literal["stop", "sleep"] = Field("stop", description="`stop`: scale the model to zero replicas; `sleep`: "
+                                           "keep the replica process, free its weights (a faster wake).")
+
+
 class AliasBody(ModelIdBody):
     alias: str = Field(min_length=1)
 

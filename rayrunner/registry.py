@@ -34,7 +34,7 @@ from rayrunner.errors import (
     as_rayrunner_error,
 )
 from rayrunner.footprint import estimate_bytes
-from rayrunner.registry_state import ModelEntry, ModelRecord, RegistryConfig, RegistryState
+from rayrunner.registry_state import ModelEntry, ModelRecord, RegistryConfig, RegistryState, UnloadMode
 from rayrunner.sources import cache_dir
 from rayrunner.spec import ModelSpec
 
@@ -101,6 +101,8 @@ class Registry:
             if (running or starting) and model_id in respecified and not await self._runs_spec(record.spec):
                 logger.info("config: redeploying `%s`, which runs the spec the config replaced", model_id)
                 self._start_load(record, mode="replace")
+            elif running and await _asleep(record.spec.app_name):
+                record.status, record.unload_mode = "unloaded", "sleep"
             elif running:
                 record.status = "loaded"
             elif starting:
@@ -180,16 +182,18 @@ class Registry:
         await asyncio.shield(self._start_load(record))
         return self._card(record.spec.model_id)
 
-    async def unload(self, name: str) -> dict[str, Any]:
+    async def unload(self, name: str, mode: UnloadMode = "stop") -> dict[str, Any]:
+        """`stop`: scale to zero replicas; `sleep`: the replica frees its weights and stays, to wake quickly."""
         await self._ensure_reconciled()
         record = self.state.record(name)
         model_id = record.spec.model_id
         if record.status == "reloading":
             raise ModelReloadingError(model_id)
-        if record.status == "unloaded":
-            raise ModelAlreadyUnloadedError(model_id)
+        if record.status == "unloaded" and not (mode == "stop" and record.unload_mode == "sleep"):
+            raise ModelAlreadyUnloadedError(model_id)  # (a sleeping model may still be stopped)
         async with self._lock(model_id):
-            await self._scale_down(record, "user")  # the default stays here: a request for `default` reloads it
+            # the default stays here: a request for `default` reloads it
+            await self._unload(record, "user", mode)
         return self._card(model_id)
 
     async def add(self, entry: dict[str, Any]) -> dict[str, Any]:
@@ -304,7 +308,8 @@ class Registry:
         async with self._lock(model_id):
             if self._evictable(model_id, reason):
                 logger.info("unloading `%s` (%s)", model_id, reason)
-                await self._scale_down(self.state.models[model_id], reason)
+                mode = self.config.idle_unload_mode if reason == IDLE else "stop"
+                await self._unload(self.state.models[model_id], reason, mode)
 
     def _evictable(self, model_id: str, reason: str) -> bool:
         record = self.state.models.get(model_id)
@@ -368,10 +373,12 @@ class Registry:
             try:
                 if mode == "replace":
                     await model_apps.delete(spec.app_name)
-                if mode != "adopt":
+                if mode == "deploy" and record.unload_mode == "sleep" and await _asleep(spec.app_name):
+                    await asyncio.wait_for(_replica_call(spec.app_name, "wake"), self.config.load_timeout_s)
+                elif mode != "adopt":
                     await self._bring_up(spec)
                 await model_apps.wait_loaded(spec.app_name, self.config.load_timeout_s)
-                record.info = await _replica_info(spec.app_name)
+                record.info = await _replica_call(spec.app_name, "info")
                 record.estimated_bytes = None  # estimated again from the measured weights
                 await self._footprint(record)
             except Exception as exc:
@@ -382,6 +389,7 @@ class Registry:
             record.load_seconds = time.monotonic() - started
             record.last_error = None
             record.unloaded_reason = None
+            record.unload_mode = None
             record.load_count += 1
             self._persist()
 
@@ -395,12 +403,30 @@ class Registry:
             self._persist()
             raise
 
-    async def _scale_down(self, record: ModelRecord, reason: str) -> None:
-        """Unload (caller holds the model's lock): `unloaded` at once, then the replica drains and exits."""
+    async def _unload(self, record: ModelRecord, reason: str, mode: UnloadMode) -> None:
+        """Unload by `mode` (caller holds the lock). Sleep: the replica drains, frees its weights and stays."""
+        if mode == "stop":
+            await self._scale_down(record, reason)
+            return
+        self._mark_unloaded(record, reason, "sleep")
+        try:
+            record.info = await _replica_call(record.spec.app_name, "sleep")
+        except Exception:
+            logger.exception("`%s` could not sleep: stopping it instead", record.spec.model_id)
+            await self._scale_down(record, reason)
+            return
+        self._persist()
+
+    def _mark_unloaded(self, record: ModelRecord, reason: str, mode: UnloadMode) -> None:
         record.status = "unloaded"
         record.unloaded_reason = reason
+        record.unload_mode = mode
         record.request_keep_alive = None
         self._persist()
+
+    async def _scale_down(self, record: ModelRecord, reason: str) -> None:
+        """Unload (caller holds the model's lock): `unloaded` at once, then the replica drains and exits."""
+        self._mark_unloaded(record, reason, "stop")
         await model_apps.scale(record.spec.app_name, 0)
         await model_apps.wait_gone(record.spec.app_name, self.config.unload_timeout_s)
         record.info = {}
@@ -429,12 +455,23 @@ class Registry:
         self._changed = asyncio.Event()
 
 
-async def _replica_info(app: str) -> dict[str, Any]:
+async def _replica_call(app: str, method: str) -> dict[str, Any]:
+    """`info`, `sleep` or `wake` on the model's replica; each answers the replica's info."""
     from ray import serve
 
     handle = serve.get_deployment_handle(model_apps.DEPLOYMENT, app_name=app)
-    result: dict[str, Any] = await handle.info.remote()
+    result: dict[str, Any] = await getattr(handle, method).remote()
     return result
+
+
+async def _asleep(app: str) -> bool:
+    """Whether the app's replica is running and asleep (else a load deploys it afresh)."""
+    state = await asyncio.to_thread(model_apps.app_state, app)
+    if not (state.running >= 1 and state.deployment_status == "HEALTHY"):
+        return False
+    with contextlib.suppress(Exception):
+        return bool((await _replica_call(app, "info")).get("asleep"))
+    return False
 
 
 async def _logged(work: Any) -> None:

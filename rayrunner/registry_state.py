@@ -22,6 +22,7 @@ from rayrunner.protocol import DEFAULT_MODEL
 from rayrunner.spec import ModelSpec
 
 Status = Literal["loaded", "unloaded", "reloading"]
+UnloadMode = Literal["stop", "sleep"]
 
 
 class SpecMismatchError(ModelExistsError):
@@ -91,6 +92,8 @@ class RegistryConfig(BaseModel):
     state_path: str | None = Field(None, description="Registry state file (default under the cache dir).")
     load_timeout_s: float = Field(900.0, gt=0, description="How long a load (and a request waiting on it) may take.")
     unload_timeout_s: float = Field(300.0, gt=0, description="How long an unload waits for in-flight requests.")
+    idle_unload_mode: UnloadMode = Field("stop", description="How keep_alive unloads an idle model: `stop` (no "
+                                         "replica) or `sleep` (the replica stays, weights freed).")
     max_loaded_models: int | None = Field(None, ge=1, description="Most models loaded at once; a load past it "
                                           "first unloads idle models, least recently used first (default: no limit).")
     max_loaded_bytes: int | None = Field(None, ge=1, description="Most estimated bytes (weights and KV reserve) "
@@ -122,6 +125,8 @@ class ModelRecord(BaseModel):
     last_used_at: float | None = None
     load_seconds: float | None = Field(None, description="How long the last load took (the eviction tie-breaker).")
     unloaded_reason: str | None = Field(None, description="`user`, `idle`, or `evicted: <limit>`.")
+    unload_mode: UnloadMode | None = Field(None, description="`stop`: no replica; `sleep`: the replica process "
+                                           "stays with its weights freed, and wakes in a fraction of a load.")
     estimated_bytes: int | None = Field(None, description="Weights and KV reserve (under max_loaded_bytes only).")
 
     def configure(self, entry: ModelEntry) -> None:

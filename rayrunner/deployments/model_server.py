@@ -133,7 +133,8 @@ class ModelServer:
         """What this replica loaded (nothing while asleep), its sleep state, pid and start time."""
         engine = self.slot.engine
         loaded = dataclasses.asdict(engine.info()) if engine is not None else {}
-        return {**loaded, **self.slot.state(), "pid": os.getpid(), "started_at": self.started_at}
+        return {**loaded, **self.slot.state(), "pid": os.getpid(), "started_at": self.started_at,
+                "process_rss_bytes": _rss_bytes()}
 
     def __del__(self) -> None:
         slot = getattr(self, "slot", None)
@@ -174,6 +175,14 @@ def _complete(engine: Engine, request: CompletionRequest, params: SamplingParams
     if adapter is None:
         return engine.complete(request, params)
     return _text_engine(engine).complete(request, params, adapter)
+
+
+def _rss_bytes() -> int | None:
+    """The replica process's resident memory (what a sleeping model still holds), where /proc tells it."""
+    try:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _set_torch_threads(settings: EngineSettings) -> None:

@@ -27,6 +27,7 @@ from rayrunner.protocol import (
     EmbeddingRequest,
     ErrorResponse,
     ModelIdBody,
+    UnloadBody,
 )
 from rayrunner.registry_state import RegistryConfig
 from rayrunner.router import cards
@@ -172,8 +173,8 @@ class Router:
         return {"model_id": body.model_id, "status": await self.get_model_status(body.model_id)}
 
     @api.post("/v1/models/unload")
-    async def http_unload(self, body: ModelIdBody) -> dict[str, Any]:
-        return cards.status_of(await self.unload_model(body.model_id))
+    async def http_unload(self, body: UnloadBody) -> dict[str, Any]:
+        return cards.status_of(await self.unload_model(body.model_id, body.mode))
 
     @api.post("/v1/models/reload")
     async def http_reload(self, body: ModelIdBody) -> dict[str, Any]:
@@ -258,8 +259,9 @@ class Router:
     async def get_default_model_id(self) -> str | None:
         return await self._admin("default_id")
 
-    async def unload_model(self, model: str) -> dict[str, Any]:
-        return await self._admin("unload", model)
+    async def unload_model(self, model: str, mode: str = "stop") -> dict[str, Any]:
+        """`mode`: `stop` (no replica left) or `sleep` (the replica stays, its weights freed)."""
+        return await self._admin("unload", model, parsed(UnloadBody, {"model_id": model, "mode": mode}).mode)
 
     async def reload_model(self, model: str) -> dict[str, Any]:
         return await self._admin("reload", model)

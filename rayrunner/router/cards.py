@@ -36,11 +36,16 @@ def model_object(card: dict[str, Any]) -> dict[str, Any]:
         "load_seconds": card["load_seconds"],
         "estimated_bytes": card["estimated_bytes"],
         "in_flight": card["in_flight"],
+        "unload_mode": card["unload_mode"] if card["status"] == "unloaded" else None,
+        "held_bytes": info.get("process_rss_bytes") if card["status"] == "unloaded" else None,
     }
 
 
 def status_of(card: dict[str, Any]) -> dict[str, Any]:
-    return {"model_id": card["model_id"], "status": card["status"]}
+    answer = {"model_id": card["model_id"], "status": card["status"]}
+    if card["status"] == "unloaded" and card.get("unload_mode") == "sleep":
+        answer["unload_mode"] = card["unload_mode"]
+    return answer
 
 
 def entry_from_add(body: AddModelBody) -> dict[str, Any]:

@@ -1,0 +1,63 @@
+"""Unload by sleep on a real cluster: the replica process stays with its weights freed, the card says so, and a
+request or a reload wakes the same process; a sleeping model can still be stopped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import Service, model_entry
+
+
+@pytest.fixture(scope="module")
+def service(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Service]:
+    config = {"models": [model_entry("napper", tiny_llama_dir)], "state_path": str(cluster["state_dir"] / "sleep.json")}
+    svc = Service(cluster, config)
+    yield svc
+    svc.close()
+
+
+def unload(service: Service, mode: str) -> Any:
+    return service.http.post("/v1/models/unload", json={"model_id": "napper", "mode": mode})
+
+
+def test_sleep_keeps_the_process_and_a_request_wakes_it(service: Service) -> None:
+    first = service.chat("hi", model="napper", max_tokens=5).json()["choices"][0]["message"]["content"]
+    awake = service.card("napper")
+    pid = awake_pid(service, awake)
+    answer = unload(service, "sleep")
+    assert answer.status_code == 200 and answer.json() == {"model_id": "napper", "status": "unloaded",
+                                                           "unload_mode": "sleep"}
+    card = service.card("napper")
+    assert card["unload_mode"] == "sleep" and card["unloaded_reason"] == "user" and card["held_bytes"] > 0
+    assert card["weight_bytes"] is None
+    reply = service.chat("hi", model="napper", max_tokens=5)  # wakes it
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == first
+    card = service.card("napper")
+    assert card["status"] == "loaded" and card["weight_bytes"] == awake["weight_bytes"]
+    assert awake_pid(service, card) == pid  # the same replica process, woken
+
+
+def awake_pid(service: Service, card: dict[str, Any]) -> int:
+    return int(service.handle.model_card.remote(card["id"]).result()["info"]["pid"])
+
+
+def test_reload_wakes_and_stop_ends_a_sleeping_model(service: Service) -> None:
+    pid = awake_pid(service, service.card("napper"))
+    assert unload(service, "sleep").status_code == 200
+    assert unload(service, "sleep").status_code == 409  # already unloaded
+    assert service.http.post("/v1/models/reload", json={"model_id": "napper"}).status_code == 200
+    assert awake_pid(service, service.card("napper")) == pid  # the same process, woken
+    assert unload(service, "sleep").status_code == 200
+    stopped = unload(service, "stop")  # a sleeping model may still be stopped: its replica goes
+    assert stopped.status_code == 200 and stopped.json() == {"model_id": "napper", "status": "unloaded"}
+    assert service.card("napper")["unload_mode"] == "stop" and service.card("napper")["held_bytes"] is None
+    assert service.chat("hi", model="napper", max_tokens=3).status_code == 200  # a fresh replica
+    assert awake_pid(service, service.card("napper")) != pid
+
+
+def test_bad_mode_is_a_400(service: Service) -> None:
+    answer = unload(service, "hibernate")
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "mode"
