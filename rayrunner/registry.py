@@ -95,6 +95,9 @@ class Registry:
         for model_id, record in self.state.models.items():
             if model_id in self._loads:
                 continue
+            if self.state.host_of(model_id) is not None:  # served by its host's replica: loads with the host
+                record.status = "unloaded"
+                continue
             state = await asyncio.to_thread(model_apps.app_state, record.spec.app_name)
             running = state.running >= 1 and state.deployment_status == "HEALTHY"
             starting = state.exists and state.deployment_status not in ("HEALTHY", "DEPLOY_FAILED", "UNHEALTHY")
@@ -158,6 +161,9 @@ class Registry:
     def _card(self, model_id: str) -> dict[str, Any]:
         record = self.state.models[model_id]
         card = record.model_dump(mode="json")
+        host = self.state.host_of(model_id)
+        if host is not None:  # a LoRA model lives and dies with its host's replica
+            card.update(status=self.state.models[host].status, served_by=host)
         return {**card, "model_id": model_id, "kind": record.spec.kind, "is_default": model_id == self.state.default_id,
                 "in_flight": self._in_flight.count(model_id, time.time())}
 
@@ -166,7 +172,7 @@ class Registry:
     async def ensure_loaded(self, name: str) -> str:
         """Auto-reload: return once the model is loaded, joining a load already under way."""
         await self._ensure_reconciled()
-        record = self.state.record(name)
+        record = self.state.serving(self.state.resolve(name))
         record.last_used_at = time.time()
         if record.status != "loaded":
             await asyncio.shield(self._loads.get(record.spec.model_id) or self._start_load(record))
@@ -174,18 +180,20 @@ class Registry:
 
     async def reload(self, name: str) -> dict[str, Any]:
         await self._ensure_reconciled()
-        record = self.state.record(name)
+        requested = self.state.resolve(name)
+        record = self.state.serving(requested)
         if record.status == "loaded":
             raise ModelAlreadyLoadedError(record.spec.model_id)
         if record.status == "reloading" or record.spec.model_id in self._loads:
             raise ModelReloadingError(record.spec.model_id)
         await asyncio.shield(self._start_load(record))
-        return self._card(record.spec.model_id)
+        return self._card(requested)
 
     async def unload(self, name: str, mode: UnloadMode = "stop") -> dict[str, Any]:
         """`stop`: scale to zero replicas; `sleep`: the replica frees its weights and stays, to wake quickly."""
         await self._ensure_reconciled()
-        record = self.state.record(name)
+        requested = self.state.resolve(name)
+        record = self.state.serving(requested)  # a LoRA model unloads with its host
         model_id = record.spec.model_id
         if record.status == "reloading":
             raise ModelReloadingError(model_id)
@@ -194,7 +202,7 @@ class Registry:
         async with self._lock(model_id):
             # the default stays here: a request for `default` reloads it
             await self._unload(record, "user", mode)
-        return self._card(model_id)
+        return self._card(requested)
 
     async def add(self, entry: dict[str, Any]) -> dict[str, Any]:
         """Register and (with `load`) load a model. For an id already registered with the same spec this attaches
@@ -214,7 +222,7 @@ class Registry:
         record.configure(parsed)
         self._persist()
         if parsed.load:
-            await asyncio.shield(self._start_load(record))
+            await self.ensure_loaded(model_id)  # a LoRA model with a host: its host
         return self._card(model_id)
 
     async def remove(self, name: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from rayrunner.capacity import KeepAlive, checked_keep_alive
 from rayrunner.errors import AliasConflictError, InvalidSpecError, ModelExistsError, ModelNotFoundError
 from rayrunner.protocol import DEFAULT_MODEL
 from rayrunner.spec import ModelSpec
+from rayrunner.which import Lora, Plain
 
 Status = Literal["loaded", "unloaded", "reloading"]
 UnloadMode = Literal["stop", "sleep"]
@@ -169,10 +170,33 @@ class RegistryState(BaseModel):
         return owner
 
     def route(self, model_id: str) -> dict[str, Any]:
-        """What a router needs to send a request to `model_id`."""
-        record = self.models[model_id]
-        return {"model_id": model_id, "app_name": record.spec.app_name, "status": record.status,
-                "kind": record.spec.kind}
+        """What a router needs to send a request to `model_id`. A LoRA model with a host goes to the host's replica
+        (`serving_id`), with the adapter to apply and where to load it from."""
+        host = self.host_of(model_id)
+        serving = self.models[host or model_id]
+        route = {"model_id": model_id, "app_name": serving.spec.app_name, "status": serving.status,
+                 "kind": self.models[model_id].spec.kind}
+        which = self.models[model_id].spec.which
+        if host is not None and isinstance(which, Lora):
+            route.update(serving_id=host, adapter=model_id, adapter_source=which.adapter)
+        return route
+
+    def host_of(self, model_id: str) -> str | None:
+        """The model whose replica serves a LoRA model: a registered plain model of the same base, dtype and
+        quantization. None for other models, and for a LoRA model without one (it runs a replica of its own)."""
+        spec = self.models[model_id].spec
+        if not isinstance(spec.which, Lora):
+            return None
+        for other_id, other in self.models.items():
+            which = other.spec.which
+            if (isinstance(which, Plain) and which.model_id == spec.which.model_id
+                    and which.dtype == spec.which.dtype and other.spec.in_situ_quant == spec.in_situ_quant):
+                return other_id
+        return None
+
+    def serving(self, model_id: str) -> ModelRecord:
+        """The record of the model whose replica serves `model_id` (itself, or a LoRA model's host)."""
+        return self.models[self.host_of(model_id) or model_id]
 
     def routes(self) -> dict[str, dict[str, Any]]:
         """The route of every name that resolves: each model id, each alias, and `default` when one is set."""

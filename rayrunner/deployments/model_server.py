@@ -88,7 +88,7 @@ class ModelServer:
             tools = engine.tool_replies(request)
             adapter = await _request_adapter(engine, body)
             events = _chat(engine, request, sampling_params(request, self.spec.engine), adapter)
-            return (await responses.chat_response(self.spec.model_id, events, request, tools)).model_dump()
+            return (await responses.chat_response(adapter or self.spec.model_id, events, request, tools)).model_dump()
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         request = ChatCompletionRequest.model_validate(body)
@@ -96,7 +96,7 @@ class ModelServer:
             tools = engine.tool_replies(request)
             adapter = await _request_adapter(engine, body)
             events = _chat(engine, request, sampling_params(request, self.spec.engine), adapter)
-            async for chunk in responses.chat_chunks(self.spec.model_id, events, request, tools):
+            async for chunk in responses.chat_chunks(adapter or self.spec.model_id, events, request, tools):
                 yield chunk.model_dump(exclude_none=True)
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -104,14 +104,14 @@ class ModelServer:
         async with self.slot.use() as engine:
             adapter = await _request_adapter(engine, body)
             events = _complete(engine, request, sampling_params(request, self.spec.engine), adapter)
-            return (await responses.completion_response(self.spec.model_id, events, request)).model_dump()
+            return (await responses.completion_response(adapter or self.spec.model_id, events, request)).model_dump()
 
     async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         request = CompletionRequest.model_validate(body)
         async with self.slot.use() as engine:
             adapter = await _request_adapter(engine, body)
             events = _complete(engine, request, sampling_params(request, self.spec.engine), adapter)
-            async for chunk in responses.completion_chunks(self.spec.model_id, events, request):
+            async for chunk in responses.completion_chunks(adapter or self.spec.model_id, events, request):
                 yield chunk.model_dump(exclude_none=True)
 
     async def embed(self, body: dict[str, Any]) -> dict[str, Any]:

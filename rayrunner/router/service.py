@@ -49,22 +49,24 @@ class RouterService:
     async def call(self, name: str, method: str, body: dict[str, Any], kinds: set[str]) -> dict[str, Any]:
         """Unary call of `method` on the model named `name`, reloading it first if it is unloaded."""
         target = await self._target(name, kinds)
-        with self._open(target["model_id"], body):
+        serving = _serving_id(target)
+        with self._open(serving, body):
             await self._loaded(target)
             handle = self._handle(target["app_name"])
-            result: dict[str, Any] = await self._guard(getattr(handle, method).remote(body), target["model_id"])
+            result: dict[str, Any] = await self._guard(getattr(handle, method).remote(_for(target, body)), serving)
         return result
 
     async def stream(self, name: str, method: str, body: dict[str, Any], kinds: set[str]) -> AsyncIterator[Any]:
         """Streaming call. The first item is awaited before returning, so errors surface before any output. The
         request counts as open until the stream ends, or is dropped unread."""
         target = await self._target(name, kinds)
-        model_id = target["model_id"]
+        model_id = _serving_id(target)
         self.usage.begin(model_id, body.get("keep_alive"))
         close = _once(lambda: self.usage.end(model_id))
         try:
             await self._loaded(target)
-            generator = getattr(self._handle(target["app_name"]).options(stream=True), method).remote(body)
+            handle = self._handle(target["app_name"]).options(stream=True)
+            generator = getattr(handle, method).remote(_for(target, body))
             try:
                 first = await self._guard(generator.__anext__(), model_id)
             except StopAsyncIteration:
@@ -99,7 +101,7 @@ class RouterService:
 
     async def _loaded(self, target: dict[str, Any]) -> None:
         if target["status"] != "loaded":
-            await self.registry.ensure_loaded.remote(target["model_id"])
+            await self.registry.ensure_loaded.remote(_serving_id(target))
 
     def _handle(self, app: str) -> DeploymentHandle:
         if app not in self._handles:
@@ -133,6 +135,18 @@ class RouterService:
             if operation in _MUTATIONS:  # even a failed one may have changed a status (e.g. a failed reload)
                 with contextlib.suppress(Exception):  # if the registry is unreachable, the follower catches up
                     await self.routes.refresh()
+
+
+def _serving_id(target: dict[str, Any]) -> str:
+    """The model whose replica answers: the target itself, or a LoRA model's host."""
+    return str(target.get("serving_id") or target["model_id"])
+
+
+def _for(target: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """The body for the serving replica: a LoRA model's requests name its adapter and where to load it from."""
+    if "adapter" not in target:
+        return body
+    return {**body, "adapter": target["adapter"], "adapter_source": target["adapter_source"]}
 
 
 async def _prepend(first: Any, rest: Any, model_id: str, close: Callable[[], None]) -> AsyncIterator[Any]:
