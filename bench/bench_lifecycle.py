@@ -5,6 +5,8 @@ both answer once the replica is gone / running) it times unload and reload for a
 the bare in-process `AutoModelForCausalLM.from_pretrained(<same folder>, dtype=bf16, disable_mmap=True)` of the same
 cache, so machine noise hits both alike. Reported: medians and reload / bare-load. The replica's own `load_time_s`
 (weights + tokenizer + ISQ, from `ModelServer.info`) splits reload into "Serve + process start + imports" and "load".
+After each cycle it also times the first answer after an unload by `stop` and after one by `sleep` (the replica
+process stays, its weights freed): the auto-reload or the wake is what differs.
 With `--isq Q8_0` a second model with `in_situ_quant: Q8_0` is measured the same way, against bare load + quantize
 (skipped with a message when `rayrunner.quantization.quantize_model` is missing or not implemented).
 The first load of each model (cold process, first imports) is a warm-up and not counted.
@@ -104,6 +106,15 @@ class Admin:
                 "replica_load": load_s, "post_load": ended - info["started_at"], "first": first_s}
 
 
+    def first_answer_after(self, model_id: str, mode: str) -> float:
+        """Unload by `mode` (`stop` or `sleep`), then time a one-token chat: the auto-reload or wake included."""
+        self.post("/v1/models/unload", {"model_id": model_id, "mode": mode})
+        first_s, answer = self.post("/v1/chat/completions", {
+            "model": model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+        assert answer["usage"]["completion_tokens"] == 1, answer
+        return first_s
+
+
 def replica_info(model_id: str) -> dict[str, Any]:
     handle = serve.get_deployment_handle("ModelServer", app_name=model_app_name(model_id))
     return dict(handle.info.remote().result())
@@ -118,10 +129,13 @@ def measure(admin: Admin, model_id: str, isq: str | None, path: str, cycles: int
         row = admin.cycle(model_id)
         row["bare_load"], row["bare_quant"] = bare_load(path, isq)
         row["bare"] = row["bare_load"] + row["bare_quant"]
+        row["stop_first"] = admin.first_answer_after(model_id, "stop")
+        row["sleep_first"] = admin.first_answer_after(model_id, "sleep")
         rows.append(row)
         print(f"  {model_id} cycle {i + 1}: " + ", ".join(f"{k} {v:.2f}s" for k, v in row.items()), flush=True)
     result = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     result["ratio"] = statistics.median(r["reload"] / r["bare"] for r in rows)
+    result["sleep_ratio"] = statistics.median(r["sleep_first"] / r["stop_first"] for r in rows)
     return result
 
 
@@ -177,6 +191,10 @@ def main() -> None:
         print(f"{model_id:<14}{isq or '-':<6}" + "".join(f"{r[k]:>11.2f}" for k in keys) + f"{r['ratio']:>12.1f}x")
     print("reload = pre-load (Serve deploy, worker start, imports) + load (replica's load_time_s: weights, tokenizer,"
           " ISQ) + post-load (Serve readiness, registry polling, info call)")
+    print("\nFirst answer (1 token) after an unload, the reload it triggers included (seconds, median)")
+    for model_id, r in results.items():
+        print(f"{model_id:<14} after stop {r['stop_first']:.2f}  after sleep {r['sleep_first']:.2f}  "
+              f"sleep/stop {r['sleep_ratio']:.2f}x")
     summary = "; ".join(f"{mid}: unload {r['unload']:.2f} s, reload {r['reload']:.2f} s = {r['ratio']:.1f}x bare "
                         f"load{'+quantize' if isq else ''} ({r['bare']:.2f} s)"
                         for (mid, isq), r in zip(models, results.values(), strict=True))
