@@ -114,5 +114,8 @@ class Engine(ABC):  # noqa: B024 - every method has a default that refuses the r
         """One vector per text, in order."""
         raise UnsupportedRequestError(f"this is a {self.kind} model: it does not serve embeddings")
 
+    def check_health(self) -> None:  # noqa: B027 - optional hook
+        """Raise when the engine can no longer serve (Serve's health check then replaces the replica)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the engine holds (threads, GPU memory). Weights go with the replica process."""

@@ -129,6 +129,12 @@ class ModelServer:
         await self.slot.wake()
         return self.info()
 
+    def check_health(self) -> None:
+        """Serve's periodic health check: a wedged or dead engine fails it (a sleeping one is healthy)."""
+        engine = self.slot.engine
+        if engine is not None:
+            engine.check_health()
+
     def info(self) -> dict[str, Any]:
         """What this replica loaded (nothing while asleep), its sleep state, pid and start time."""
         engine = self.slot.engine

@@ -111,6 +111,9 @@ class MultimodalEngine(Engine):
             )
         return min(params.max_tokens, limit - prompt_tokens)
 
+    def check_health(self) -> None:
+        self.scheduler.check_health()
+
     def close(self) -> None:
         self.scheduler.close()
         self.compute.shutdown()

@@ -41,6 +41,7 @@ from rayrunner.errors import InvalidRequestError, ServerOverloadedError
 from rayrunner.spec import EngineSettings
 
 logger = logging.getLogger(__name__)
+STUCK_STEP_S = 300.0  # one step (a prefill chunk and a decode) taking longer than this means the engine is wedged
 T = TypeVar("T")
 
 
@@ -75,6 +76,7 @@ class StepScheduler:
         self._jobs: collections.deque[tuple[Callable[[], Any], Future[Any]]] = collections.deque()
         self._closed = False
         self._loop_done: Future[None] | None = None
+        self._step_started_at: float | None = None  # while a step runs (health checks spot a stuck one)
         self.steps = 0
 
     # ------------------------------------------------------------ the request side
@@ -131,6 +133,15 @@ class StepScheduler:
         """Run steps on `compute` whenever there is work (tests may instead call `step` themselves)."""
         self._loop_done = compute.submit(self._loop)
 
+    def check_health(self) -> None:
+        """Raise when the step loop has died, or one step has run past `STUCK_STEP_S` (Serve then replaces the
+        replica: its requests would otherwise hang)."""
+        if self._loop_done is not None and self._loop_done.done() and not self._closed:
+            raise RuntimeError(f"the step loop has stopped: {self._loop_done.exception()!r}")
+        started = self._step_started_at
+        if started is not None and time.monotonic() - started > STUCK_STEP_S:
+            raise RuntimeError(f"one step has been running for {time.monotonic() - started:.0f} s: the engine is stuck")
+
     def close(self) -> None:
         """Stop the loop after its current step, and wait for it: the loop never outlives the engine's owner (a
         thread still dropping tensors while the interpreter exits aborts the process). Once the interpreter is
@@ -144,14 +155,33 @@ class StepScheduler:
     # ------------------------------------------------------------ the scheduler thread
 
     def _loop(self) -> None:
+        try:
+            self._steps()
+        except BaseException as exc:  # a fault outside a model call: nothing can be served any more
+            logger.exception("the step loop died")
+            self._fail_all(exc)
+            raise
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """End every admitted and waiting sequence with `exc` (its request gets the error instead of hanging)."""
+        with self._cond:
+            chunking = [self._chunking[0]] if self._chunking else []
+            everyone = [*self._running, *self._prefilling, *chunking, *self._waiting]
+            self._running, self._prefilling, self._chunking, self._waiting = [], [], None, collections.deque()
+        for sequence in everyone:
+            sequence.fail(exc)
+
+    def _steps(self) -> None:
         while True:
             with self._cond:
                 while not (self._closed or self._waiting or self._running or self._chunking or self._jobs):
                     self._cond.wait()
                 if self._closed:
                     return
+            self._step_started_at = time.monotonic()
             with torch.inference_mode():
                 self.step()
+            self._step_started_at = None
 
     def step(self) -> None:
         """One scheduling step (public for tests that drive the scheduler without its thread)."""

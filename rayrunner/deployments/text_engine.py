@@ -113,6 +113,9 @@ class TextEngine(Engine):
         return self.scheduler.generate(ids, params, Detokenizer(self.tokenizer, params.stop), self.eos_ids,
                                        adapter=adapter)
 
+    def check_health(self) -> None:
+        self.scheduler.check_health()
+
     def close(self) -> None:
         self.scheduler.close()
         self.compute.shutdown()
