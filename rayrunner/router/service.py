@@ -103,6 +103,11 @@ class RouterService:
         if target["status"] != "loaded":
             await self.registry.ensure_loaded.remote(_serving_id(target))
 
+    async def _status(self, model_id: str) -> str:
+        """From the followed routing table (no registry call), unless this replica has no copy of it right now."""
+        route = self.routes.get(model_id)
+        return str(route["status"]) if route is not None else str(await self.registry.status.remote(model_id))
+
     def _handle(self, app: str) -> DeploymentHandle:
         if app not in self._handles:
             self._handles[app] = serve.get_deployment_handle(model_apps.DEPLOYMENT, app_name=app)
@@ -117,7 +122,7 @@ class RouterService:
                 done, _ = await asyncio.wait({task}, timeout=_WATCH_S)
                 if done:
                     return task.result()
-                if await self.registry.status.remote(model_id) == "unloaded":
+                if await self._status(model_id) == "unloaded":
                     await self.registry.ensure_loaded.remote(model_id)
         except asyncio.CancelledError:
             task.cancel()
