@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from rayrunner.errors import InvalidRequestError, RayRunnerError
+from rayrunner.errors import ModelTooLargeError
 
 KeepAlive = str | int | float | None
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -20,20 +20,6 @@ _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 IDLE = "idle"
 EVICTED_MODELS = "evicted: max_loaded_models"
 EVICTED_BYTES = "evicted: max_loaded_bytes"
-
-
-class ModelTooLargeError(InvalidRequestError):
-    """The model cannot fit under `max_loaded_bytes` even with every other model unloaded."""
-
-    code = "model_too_large"
-
-
-class CapacityError(RayRunnerError):
-    """No loaded model could be evicted (all pinned or busy) within the load timeout; retrying later may work."""
-
-    status = 503
-    code = "capacity_exhausted"
-    retry_after_s = 5.0
 
 
 def parse_keep_alive(value: Any) -> float:

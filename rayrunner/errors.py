@@ -157,6 +157,42 @@ class ServerOverloadedError(RayRunnerError):
         return (type(self), (self.message, self.retry_after_s, self.param))
 
 
+
+class ModelTooLargeError(InvalidRequestError):
+    """The model cannot fit under `max_loaded_bytes` even with every other model unloaded."""
+
+    code = "model_too_large"
+
+
+class CapacityError(RayRunnerError):
+    """No loaded model could be evicted (all pinned or busy) within the load timeout; retrying later may work."""
+
+    status = 503
+    code = "capacity_exhausted"
+    retry_after_s = 5.0
+
+
+class SpecMismatchError(ModelExistsError):
+    """An add of a registered id with another spec; the message names each differing field, old and new."""
+
+    def __init__(self, model_id: str, differences: str, param: str | None = "model_id") -> None:
+        super().__init__(model_id, param)
+        self.differences = differences
+        self.message = f"model `{model_id}` already exists with a different spec ({differences})"
+        self.args = (self.message,)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.model_id, self.differences, self.param))
+
+
+class NoDefaultModelError(ModelNotFoundError):
+    """`default` was asked for while none is set (its model was removed and none of the same kind was left)."""
+
+    def __init__(self, model_id: str = "default", param: str | None = "model") -> None:
+        super().__init__(model_id, param)
+        self.message = "no default model is set; name a model, or set a default (POST /v1/models/default)"
+        self.args = (self.message,)
+
 def unwrap(exc: BaseException) -> BaseException:
     """Dig the original error out of Ray's wrappers. `RayTaskError(X)` subclasses X too, so its `.cause` (the
     original) is followed before any isinstance check."""

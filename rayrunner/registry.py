@@ -25,8 +25,9 @@ from typing import Any, Literal
 import ray
 
 from rayrunner import model_apps
-from rayrunner.capacity import IDLE, CapacityError, InFlightBook, KeepAlive, Limits, Occupant, idle_deadline, plan_room
+from rayrunner.capacity import IDLE, InFlightBook, KeepAlive, Limits, Occupant, idle_deadline, plan_room
 from rayrunner.errors import (
+    CapacityError,
     ModelAlreadyLoadedError,
     ModelAlreadyUnloadedError,
     ModelLoadError,

@@ -17,35 +17,20 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from rayrunner.capacity import KeepAlive, checked_keep_alive
-from rayrunner.errors import AliasConflictError, InvalidSpecError, ModelExistsError, ModelNotFoundError
+from rayrunner.errors import (
+    AliasConflictError,
+    InvalidSpecError,
+    ModelExistsError,
+    ModelNotFoundError,
+    NoDefaultModelError,
+    SpecMismatchError,
+)
 from rayrunner.protocol import DEFAULT_MODEL
 from rayrunner.spec import ModelSpec
 from rayrunner.which import Lora, Plain
 
 Status = Literal["loaded", "unloaded", "reloading"]
 UnloadMode = Literal["stop", "sleep"]
-
-
-class SpecMismatchError(ModelExistsError):
-    """An add of a registered id with another spec; the message names each differing field, old and new."""
-
-    def __init__(self, model_id: str, differences: str, param: str | None = "model_id") -> None:
-        super().__init__(model_id, param)
-        self.differences = differences
-        self.message = f"model `{model_id}` already exists with a different spec ({differences})"
-        self.args = (self.message,)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.model_id, self.differences, self.param))
-
-
-class NoDefaultModelError(ModelNotFoundError):
-    """`default` was asked for while none is set (its model was removed and none of the same kind was left)."""
-
-    def __init__(self, model_id: str = DEFAULT_MODEL, param: str | None = "model") -> None:
-        super().__init__(model_id, param)
-        self.message = "no default model is set; name a model, or set a default (POST /v1/models/default)"
-        self.args = (self.message,)
 
 
 def spec_differences(old: ModelSpec, new: ModelSpec) -> list[str]:

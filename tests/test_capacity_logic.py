@@ -17,12 +17,12 @@ from rayrunner.capacity import (
     IN_FLIGHT_TTL_S,
     InFlightBook,
     Limits,
-    ModelTooLargeError,
     Occupant,
     idle_deadline,
     parse_keep_alive,
     plan_room,
 )
+from rayrunner.errors import ModelTooLargeError
 from rayrunner.footprint import estimate_bytes
 from rayrunner.protocol import ChatCompletionRequest
 from rayrunner.registry_state import ModelEntry
