@@ -76,7 +76,8 @@ class MultimodalEngine(Engine):
         return Grammars(self._tokenizer, self._eos_ids, vocab_size)
 
     async def chat(self, request: ChatCompletionRequest, params: SamplingParams) -> AsyncIterator[GenerationEvent]:
-        params.constraint = self.grammars.for_response_format(request.response_format)
+        fmt = request.response_format
+        params.constraint = None if fmt is None or fmt.type == "text" else self.grammars.for_response_format(fmt)
         conversation, urls = to_conversation(request.messages)
         images = await load_images(urls, self.spec.engine)
         inputs = await run_single_threaded(self._inputs, conversation, images)

@@ -77,6 +77,7 @@ class StepScheduler:
         self._closed = False
         self._loop_done: Future[None] | None = None
         self._step_started_at: float | None = None  # while a step runs (health checks spot a stuck one)
+        self._died_of: BaseException | None = None
         self.steps = 0
 
     # ------------------------------------------------------------ the request side
@@ -136,8 +137,8 @@ class StepScheduler:
     def check_health(self) -> None:
         """Raise when the step loop has died, or one step has run past `STUCK_STEP_S` (Serve then replaces the
         replica: its requests would otherwise hang)."""
-        if self._loop_done is not None and self._loop_done.done() and not self._closed:
-            raise RuntimeError(f"the step loop has stopped: {self._loop_done.exception()!r}")
+        if self._died_of is not None:
+            raise RuntimeError(f"the step loop has stopped: {self._died_of!r}")
         started = self._step_started_at
         if started is not None and time.monotonic() - started > STUCK_STEP_S:
             raise RuntimeError(f"one step has been running for {time.monotonic() - started:.0f} s: the engine is stuck")
@@ -159,6 +160,7 @@ class StepScheduler:
             self._steps()
         except BaseException as exc:  # a fault outside a model call: nothing can be served any more
             logger.exception("the step loop died")
+            self._died_of = exc  # before failing the requests: a health check right after one sees it
             self._fail_all(exc)
             raise
 

@@ -92,7 +92,8 @@ class TextEngine(Engine):
         if request.tools and (request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice)):
             parallel = request.tool_choice == "required" and request.parallel_tool_calls is not False
             return self.grammars.json_schema(forced_call_schema(request.tools, request.tool_choice, parallel))
-        return self.grammars.for_response_format(request.response_format)
+        fmt = request.response_format
+        return None if fmt is None or fmt.type == "text" else self.grammars.for_response_format(fmt)
 
     def complete(self, request: CompletionRequest, params: SamplingParams, adapter: str | None = None
                  ) -> AsyncIterator[GenerationEvent]:

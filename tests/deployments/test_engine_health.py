@@ -53,8 +53,12 @@ async def test_a_stuck_step_fails_the_health_check(server: ModelServer, monkeypa
 
     engine.scheduler._prefill = slow_prefill  # type: ignore[attr-defined,method-assign]
     asking = asyncio.ensure_future(server.chat(ASK))
+    while engine.scheduler._step_started_at is None:  # type: ignore[attr-defined]
+        await asyncio.sleep(0.05)
     await asyncio.sleep(1.0)
     with pytest.raises(RuntimeError, match="engine is stuck"):
         server.check_health()
     await asking
+    while engine.scheduler._step_started_at is not None:  # type: ignore[attr-defined]
+        await asyncio.sleep(0.05)
     server.check_health()  # the step ended: healthy again
