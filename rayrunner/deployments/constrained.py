@@ -25,6 +25,7 @@ keyword beats output that breaks the schema, and the mask cost difference is los
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -49,21 +50,31 @@ class Grammars:
     """JSON grammars over one engine's tokenizer.
 
     `vocab_size` is the model's (its logits' width), which may exceed the tokenizer's vocabulary: the extra ids are
-    never allowed. Building one takes 0.2-0.4 s (llguidance indexes the vocabulary); raises `UnsupportedRequestError`
-    when the tokenizer has no `tokenizers` backend.
+    never allowed. Constructing one is free; the first grammar compiled indexes the vocabulary (0.2-0.4 s, once),
+    and raises `UnsupportedRequestError` when the tokenizer has no `tokenizers` backend.
     """
 
     def __init__(self, tokenizer: Any, eos_ids: Iterable[int], vocab_size: int) -> None:
-        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._hf_tokenizer = tokenizer
+        self._eos_ids = sorted(eos_ids)
+        self._model_vocab_size = vocab_size
+
+    @functools.cached_property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        backend = getattr(self._hf_tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise UnsupportedRequestError("structured output needs a fast (`tokenizers`) tokenizer",
                                           param="response_format")
         backend = copy.copy(backend)  # padding or truncation would change how llguidance tokenizes text
         backend.no_padding()
         backend.no_truncation()
-        self.vocab_size = max(vocab_size, backend.get_vocab_size(with_added_tokens=True))
-        self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
-                                                eos_token=sorted(eos_ids) or None)
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=self._eos_ids or None)
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        backend = getattr(self._hf_tokenizer, "backend_tokenizer", None)
+        tokenizer_size = backend.get_vocab_size(with_added_tokens=True) if backend is not None else 0
+        return max(self._model_vocab_size, tokenizer_size)
 
     def json_object(self) -> Callable[[], LogitsProcessor]:
         """Any JSON object (`{"type": "json_object"}`)."""

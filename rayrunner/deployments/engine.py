@@ -95,8 +95,10 @@ class Engine(ABC):  # noqa: B024 - every method has a default that refuses the r
     def info(self) -> EngineInfo:
         raise NotImplementedError
 
-    def chat(self, request: ChatCompletionRequest, params: SamplingParams) -> AsyncIterator[GenerationEvent]:
-        """Generate the assistant reply to `request.messages` (events as documented on GenerationEvent)."""
+    def chat(self, request: ChatCompletionRequest, params: SamplingParams, adapter: str | None = None
+             ) -> AsyncIterator[GenerationEvent]:
+        """Generate the assistant reply to `request.messages` (events as documented on GenerationEvent), through
+        the LoRA `adapter` when one is named (see `use_adapter`)."""
         raise UnsupportedRequestError(f"this is a {self.kind} model: it does not serve chat completions")
 
     def tool_replies(self, request: ChatCompletionRequest) -> ToolReplies | None:
@@ -106,13 +108,19 @@ class Engine(ABC):  # noqa: B024 - every method has a default that refuses the r
                                           param="tools")
         return None
 
-    def complete(self, request: CompletionRequest, params: SamplingParams) -> AsyncIterator[GenerationEvent]:
+    def complete(self, request: CompletionRequest, params: SamplingParams, adapter: str | None = None
+                 ) -> AsyncIterator[GenerationEvent]:
         """Continue `request.prompt` as plain text."""
         raise UnsupportedRequestError(f"this is a {self.kind} model: it does not serve text completions")
 
     async def embed(self, texts: list[str]) -> EmbeddingResult:
         """One vector per text, in order."""
         raise UnsupportedRequestError(f"this is a {self.kind} model: it does not serve embeddings")
+
+    async def use_adapter(self, name: str, source: str | None) -> None:
+        """Make LoRA adapter `name` ready, loading it from `source` (folder or hub id) if this engine lacks it."""
+        raise UnsupportedRequestError(f"this is a {self.kind} model: LoRA adapters are served by text models",
+                                      param="adapter")
 
     def check_health(self) -> None:  # noqa: B027 - optional hook
         """Raise when the engine can no longer serve (Serve's health check then replaces the replica)."""

@@ -10,21 +10,18 @@ import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ray import serve
 from ray.serve import Application
 
 from rayrunner.deployments import responses
-from rayrunner.deployments.engine import Engine, GenerationEvent
+from rayrunner.deployments.engine import Engine
 from rayrunner.deployments.engine_slot import EngineSlot
 from rayrunner.deployments.sampling import SamplingParams
-from rayrunner.errors import InvalidRequestError, UnsupportedRequestError
+from rayrunner.errors import InvalidRequestError
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields
 from rayrunner.spec import EngineSettings, ModelSpec
-
-if TYPE_CHECKING:
-    from rayrunner.deployments.text_engine import TextEngine
 
 DEPLOYMENT = "ModelServer"  # the deployment's name inside every model app
 
@@ -87,7 +84,7 @@ class ModelServer:
         async with self.slot.use() as engine:
             tools = engine.tool_replies(request)
             adapter = await _request_adapter(engine, body)
-            events = _chat(engine, request, sampling_params(request, self.spec.engine), adapter)
+            events = engine.chat(request, sampling_params(request, self.spec.engine), adapter)
             return (await responses.chat_response(adapter or self.spec.model_id, events, request, tools)).model_dump()
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -95,7 +92,7 @@ class ModelServer:
         async with self.slot.use() as engine:
             tools = engine.tool_replies(request)
             adapter = await _request_adapter(engine, body)
-            events = _chat(engine, request, sampling_params(request, self.spec.engine), adapter)
+            events = engine.chat(request, sampling_params(request, self.spec.engine), adapter)
             async for chunk in responses.chat_chunks(adapter or self.spec.model_id, events, request, tools):
                 yield chunk.model_dump(exclude_none=True)
 
@@ -103,14 +100,14 @@ class ModelServer:
         request = CompletionRequest.model_validate(body)
         async with self.slot.use() as engine:
             adapter = await _request_adapter(engine, body)
-            events = _complete(engine, request, sampling_params(request, self.spec.engine), adapter)
+            events = engine.complete(request, sampling_params(request, self.spec.engine), adapter)
             return (await responses.completion_response(adapter or self.spec.model_id, events, request)).model_dump()
 
     async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         request = CompletionRequest.model_validate(body)
         async with self.slot.use() as engine:
             adapter = await _request_adapter(engine, body)
-            events = _complete(engine, request, sampling_params(request, self.spec.engine), adapter)
+            events = engine.complete(request, sampling_params(request, self.spec.engine), adapter)
             async for chunk in responses.completion_chunks(adapter or self.spec.model_id, events, request):
                 yield chunk.model_dump(exclude_none=True)
 
@@ -156,31 +153,8 @@ async def _request_adapter(engine: Engine, body: dict[str, Any]) -> str | None:
         return None
     if not isinstance(name, str) or not isinstance(source, str | None):
         raise InvalidRequestError("`adapter` and `adapter_source` must be strings", param="adapter")
-    text = _text_engine(engine)
-    if source is not None and not text.adapters.known(name):
-        await text.load_adapter(name, source)
+    await engine.use_adapter(name, source)
     return name
-
-
-def _text_engine(engine: Engine) -> TextEngine:
-    from rayrunner.deployments.text_engine import TextEngine
-
-    if not isinstance(engine, TextEngine):
-        raise UnsupportedRequestError(f"this is a {engine.kind} model: LoRA adapters are served by text models",
-                                      param="adapter")
-    return engine
-
-
-def _chat(engine: Engine, request: ChatCompletionRequest, params: SamplingParams, adapter: str | None
-          ) -> AsyncIterator[GenerationEvent]:
-    return engine.chat(request, params) if adapter is None else _text_engine(engine).chat(request, params, adapter)
-
-
-def _complete(engine: Engine, request: CompletionRequest, params: SamplingParams, adapter: str | None
-              ) -> AsyncIterator[GenerationEvent]:
-    if adapter is None:
-        return engine.complete(request, params)
-    return _text_engine(engine).complete(request, params, adapter)
 
 
 def _rss_bytes() -> int | None:

@@ -8,7 +8,6 @@ shared batch with everyone else's.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -62,6 +61,7 @@ class MultimodalEngine(Engine):
         self._processor = self._loaded.processor
         self._tokenizer = self._processor.tokenizer
         self._eos_ids = stop_ids(self._model, self._tokenizer)
+        self.grammars = Grammars(self._tokenizer, self._eos_ids, self._model.config.get_text_config().vocab_size)
         self.scheduler = StepScheduler(self._model, scheduler_limits(spec.engine))
         self.scheduler.start(self.compute)
 
@@ -69,15 +69,11 @@ class MultimodalEngine(Engine):
         extra = {"model_type": self._model.config.model_type, "scheduler": self.scheduler.stats()}
         return describe(self.kind, self._loaded, extra)
 
-    @functools.cached_property
-    def grammars(self) -> Grammars:
-        """For structured output, built on first use."""
-        vocab_size = self._model.config.get_text_config().vocab_size
-        return Grammars(self._tokenizer, self._eos_ids, vocab_size)
-
-    async def chat(self, request: ChatCompletionRequest, params: SamplingParams) -> AsyncIterator[GenerationEvent]:
-        fmt = request.response_format
-        params.constraint = None if fmt is None or fmt.type == "text" else self.grammars.for_response_format(fmt)
+    async def chat(self, request: ChatCompletionRequest, params: SamplingParams, adapter: str | None = None
+                   ) -> AsyncIterator[GenerationEvent]:
+        if adapter is not None:
+            await self.use_adapter(adapter, None)  # refuses: no adapters on multimodal models
+        params.constraint = self.grammars.for_response_format(request.response_format)
         conversation, urls = to_conversation(request.messages)
         images = await load_images(urls, self.spec.engine)
         inputs = await run_single_threaded(self._inputs, conversation, images)

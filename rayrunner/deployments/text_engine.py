@@ -7,7 +7,6 @@ names one by `adapter`, and the scheduler mixes adapters and the base model in o
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import AsyncIterator, Callable
 
 from transformers import AutoModelForCausalLM
@@ -40,6 +39,7 @@ class TextEngine(Engine):
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.eos_ids = stop_ids(self.model, self.tokenizer)
+        self.grammars = Grammars(self.tokenizer, self.eos_ids, self.model.config.vocab_size)
         config_limit = getattr(self.model.config, "max_position_embeddings", 0)
         self.max_seq_len = int(spec.engine.max_seq_len or config_limit or 4096)
         self.adapters = LoraAdapters(self.model, spec.engine.max_adapters)
@@ -55,6 +55,10 @@ class TextEngine(Engine):
         self.compute.call(self.adapters.load, spec.model_id)
         return spec.model_id
 
+    async def use_adapter(self, name: str, source: str | None) -> None:
+        if source is not None and not self.adapters.known(name):
+            await self.load_adapter(name, source)
+
     async def load_adapter(self, name: str, source: str) -> None:
         """Load the LoRA adapter at `source` (folder or hub id) as `name`, on the compute thread between steps (a
         name already loaded from another folder is refused)."""
@@ -67,11 +71,6 @@ class TextEngine(Engine):
         extra = {"max_seq_len": self.max_seq_len, "model_type": self.model.config.model_type,
                  "scheduler": self.scheduler.stats(), "adapters": self.adapters.loaded}
         return describe(self.kind, self.loaded, extra)
-
-    @functools.cached_property
-    def grammars(self) -> Grammars:
-        """Built on the first structured request (llguidance indexes the vocabulary in ~0.2 s)."""
-        return Grammars(self.tokenizer, self.eos_ids, self.model.config.vocab_size)
 
     def chat(self, request: ChatCompletionRequest, params: SamplingParams, adapter: str | None = None
              ) -> AsyncIterator[GenerationEvent]:
@@ -92,8 +91,7 @@ class TextEngine(Engine):
         if request.tools and (request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice)):
             parallel = request.tool_choice == "required" and request.parallel_tool_calls is not False
             return self.grammars.json_schema(forced_call_schema(request.tools, request.tool_choice, parallel))
-        fmt = request.response_format
-        return None if fmt is None or fmt.type == "text" else self.grammars.for_response_format(fmt)
+        return self.grammars.for_response_format(request.response_format)
 
     def complete(self, request: CompletionRequest, params: SamplingParams, adapter: str | None = None
                  ) -> AsyncIterator[GenerationEvent]:
