@@ -127,8 +127,12 @@ class StepScheduler:
     def active_adapters(self) -> set[str]:
         """Adapters of the admitted sequences, which eviction must spare (call on the scheduler thread)."""
         with self._cond:
-            admitted = [*self._running, *self._prefilling, *([self._chunking[0]] if self._chunking else [])]
+            admitted = self._admitted()
         return {s.adapter for s in admitted if s.adapter is not None}
+
+    def _admitted(self) -> list[Sequence]:
+        """Running, being prefilled, or being chunked (call with the lock held)."""
+        return [*self._running, *self._prefilling, *([self._chunking[0]] if self._chunking else [])]
 
     def start(self, compute: ComputeThread) -> None:
         """Run steps on `compute` whenever there is work (tests may instead call `step` themselves)."""
@@ -167,8 +171,7 @@ class StepScheduler:
     def _fail_all(self, exc: BaseException) -> None:
         """End every admitted and waiting sequence with `exc` (its request gets the error instead of hanging)."""
         with self._cond:
-            chunking = [self._chunking[0]] if self._chunking else []
-            everyone = [*self._running, *self._prefilling, *chunking, *self._waiting]
+            everyone = [*self._admitted(), *self._waiting]
             self._running, self._prefilling, self._chunking, self._waiting = [], [], None, collections.deque()
         for sequence in everyone:
             sequence.fail(exc)
