@@ -20,10 +20,10 @@ from rayrunner.deployments.lora import LoraAdapters, adapter_folder
 from rayrunner.deployments.sampling import LogitsProcessor, SamplingParams
 from rayrunner.deployments.scheduler import StepScheduler, scheduler_limits
 from rayrunner.deployments.sequence import stop_ids
-from rayrunner.deployments.tool_replies import ToolReplies
+from rayrunner.deployments.tool_replies import ToolReplies, forced_choice
 from rayrunner.errors import InvalidRequestError, UnsupportedRequestError
 from rayrunner.loading import Loaded, load_model
-from rayrunner.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
 from rayrunner.spec import ModelSpec
 from rayrunner.tool_calls import forced_call_schema, tool_format
 from rayrunner.which import Lora
@@ -88,9 +88,10 @@ class TextEngine(Engine):
 
     def _constraint(self, request: ChatCompletionRequest) -> Callable[[], LogitsProcessor] | None:
         """A forced tool call's JSON, else the response_format's."""
-        if request.tools and (request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice)):
-            parallel = request.tool_choice == "required" and request.parallel_tool_calls is not False
-            return self.grammars.json_schema(forced_call_schema(request.tools, request.tool_choice, parallel))
+        choice = forced_choice(request)
+        if choice is not None and request.tools:
+            parallel = choice == "required" and request.parallel_tool_calls is not False
+            return self.grammars.json_schema(forced_call_schema(request.tools, choice, parallel))
         return self.grammars.for_response_format(request.response_format)
 
     def complete(self, request: CompletionRequest, params: SamplingParams, adapter: str | None = None

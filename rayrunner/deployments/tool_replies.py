@@ -4,8 +4,9 @@ JSON that constrained decoding forced (`required` or a named function)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from rayrunner.protocol import ChatCompletionRequest, Delta, ToolCallDelta
+from rayrunner.protocol import ChatCompletionRequest, Delta, NamedToolChoice, ToolCallDelta
 from rayrunner.tool_calls import (
     ParsedCall,
     Piece,
@@ -16,9 +17,10 @@ from rayrunner.tool_calls import (
 )
 
 
-def forced_choice(request: ChatCompletionRequest) -> bool:
-    """Whether the request forces a call (constrained decoding writes it)."""
-    return bool(request.tools) and request.tool_choice not in (None, "auto", "none")
+def forced_choice(request: ChatCompletionRequest) -> Literal["required"] | NamedToolChoice | None:
+    """The request's tool_choice when it forces a call (constrained decoding writes it), else None."""
+    choice = request.tool_choice
+    return choice if request.tools and (choice == "required" or isinstance(choice, NamedToolChoice)) else None
 
 
 @dataclass
@@ -32,7 +34,7 @@ class ToolReplies:
     def of(cls, request: ChatCompletionRequest, fmt: ToolFormat) -> ToolReplies | None:
         if not request.tools or request.tool_choice == "none":
             return None
-        return cls(fmt, forced_choice(request))
+        return cls(fmt, forced_choice(request) is not None)
 
     def split(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """The reply's content (None when it is only calls) and its calls."""
