@@ -105,7 +105,7 @@ class Registry:
             if (running or starting) and model_id in respecified and not await self._runs_spec(record.spec):
                 logger.info("config: redeploying `%s`, which runs the spec the config replaced", model_id)
                 self._start_load(record, mode="replace")
-            elif running and await _asleep(record.spec.app_name):
+            elif running and await _replica_asleep(record.spec.app_name):  # running is known: ask the replica
                 record.status, record.unload_mode = "unloaded", "sleep"
             elif running:
                 record.status = "loaded"
@@ -476,8 +476,11 @@ async def _replica_call(app: str, method: str) -> dict[str, Any]:
 async def _asleep(app: str) -> bool:
     """Whether the app's replica is running and asleep (else a load deploys it afresh)."""
     state = await asyncio.to_thread(model_apps.app_state, app)
-    if not (state.running >= 1 and state.deployment_status == "HEALTHY"):
-        return False
+    return state.running >= 1 and state.deployment_status == "HEALTHY" and await _replica_asleep(app)
+
+
+async def _replica_asleep(app: str) -> bool:
+    """Whether the app's running replica says it is asleep (unreachable counts as no)."""
     with contextlib.suppress(Exception):
         return bool((await _replica_call(app, "info")).get("asleep"))
     return False
