@@ -1,0 +1,70 @@
+"""`rayrunner ps`: one row per model (like `ollama ps`), from the model objects of `GET /v1/models`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+COLUMNS = ("MODEL", "STATUS", "KIND", "ALIASES", "DEFAULT", "MEMORY", "QUANT", "IN FLIGHT", "UNLOADED", "LAST ERROR")
+NONE = "-"
+MAX_ERROR_CHARS = 80  # `ps --json` has the whole message
+
+
+def human_bytes(count: int | None) -> str:
+    """1,536 -> "1.5 KiB"; None -> "-"."""
+    if count is None:
+        return NONE
+    size = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def _sleeping(model: dict[str, Any]) -> bool:
+    return model["status"] == "unloaded" and model.get("unload_mode") == "sleep"
+
+
+def memory(model: dict[str, Any]) -> str:
+    """The measured weight bytes of a loaded model; what a sleeping model's process still holds; else "-"."""
+    if model["status"] == "loaded":
+        return human_bytes(model.get("weight_bytes"))
+    return human_bytes(model.get("held_bytes")) if _sleeping(model) else NONE
+
+
+def _short(text: str | None) -> str:
+    if not text:
+        return NONE
+    line = text.strip().splitlines()[0]
+    return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 3] + "..."
+
+
+def row(model: dict[str, Any]) -> list[str]:
+    """The cells of one model's row, in COLUMNS order."""
+    status = "unloaded (sleeping)" if _sleeping(model) else model["status"]
+    return [
+        model["id"],
+        status,
+        model.get("kind") or NONE,
+        ", ".join(model.get("aliases") or []) or NONE,
+        "*" if model.get("is_default") else "",
+        memory(model),
+        (model.get("spec") or {}).get("in_situ_quant") or NONE,
+        str(model.get("in_flight") or 0),
+        (model.get("unloaded_reason") or NONE) if model["status"] == "unloaded" else NONE,
+        _short(model.get("last_error")),
+    ]
+
+
+def print_models(models: list[dict[str, Any]], console: Console) -> None:
+    """The `ps` table, or a line saying there is no model."""
+    if not models:
+        console.print("no models")
+        return
+    table = Table(*COLUMNS, box=None, pad_edge=False, header_style="bold")
+    for model in models:
+        table.add_row(*row(model))
+    console.print(table)
