@@ -24,6 +24,7 @@ from rayrunner.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
 )
+from rayrunner.source_policy import SourcePolicy
 from rayrunner.spec import build_spec
 from rayrunner.which import Which
 
@@ -284,4 +285,6 @@ def _ensure_router(app_name: str, http_port: int, state_path: str | None, fresh_
     if state_path is None and fresh_cluster:
         # A Runner-owned cluster is ephemeral, like a mistral.rs Runner: start from an empty registry.
         state_path = os.path.join(tempfile.mkdtemp(prefix="rayrunner-"), "registry.json")
-    return serve.run(build_router_app({"state_path": state_path}), name=app_name, route_prefix="/")
+    # The Runner's own service trusts its own process: models may come from any local path or hub repository.
+    config = {"state_path": state_path, "sources": SourcePolicy.allow_all().model_dump()}
+    return serve.run(build_router_app(config), name=app_name, route_prefix="/")

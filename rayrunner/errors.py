@@ -99,9 +99,44 @@ class ModelExistsError(_ModelStateError):
     template = "model `{}` already exists"
 
 
+class ModelRemovingError(_ModelStateError):
+    code = "model_removing"
+    template = "model `{}` is being removed"
+
+
 class AliasConflictError(RayRunnerError):
     status = 409
     code = "alias_conflict"
+    type = "invalid_request_error"
+
+
+class AuthenticationError(RayRunnerError):
+    """No API key, or one the service does not know (OpenAI's 401)."""
+
+    status = 401
+    code = "invalid_api_key"
+    type = "invalid_request_error"
+
+
+class PermissionDeniedError(RayRunnerError):
+    """A valid key without the right: an inference key on an admin route, or a model source outside the allowed."""
+
+    status = 403
+    code = "permission_denied"
+    type = "invalid_request_error"
+
+
+class RequestTooLargeError(RayRunnerError):
+    status = 413
+    code = "request_too_large"
+    type = "invalid_request_error"
+
+
+class RequestTimeoutError(RayRunnerError):
+    """The request ran past the service's `request_timeout_s`; its work was cancelled."""
+
+    status = 408
+    code = "request_timeout"
     type = "invalid_request_error"
 
 
@@ -162,6 +197,12 @@ class ModelTooLargeError(InvalidRequestError):
     """The model cannot fit under `max_loaded_bytes` even with every other model unloaded."""
 
     code = "model_too_large"
+
+
+class UnplaceableModelError(InvalidRequestError):
+    """No node of the cluster (nor any node type its autoscaler may add) could ever hold the model's replica."""
+
+    code = "unplaceable_model"
 
 
 class CapacityError(RayRunnerError):

@@ -1,7 +1,11 @@
 """The registry: a detached, named Ray actor that owns every model's spec, status, aliases and the default.
 
 Every change to one model runs under that model's lock, so two loads (or a load and an unload) never overlap, and
-is written to the state file before it is acknowledged. Loads are single-flight: concurrent requests for an
+is written to the state file before it is acknowledged. The actor runs one event loop: a check and the change it
+guards with no `await` between them (add, set_default, add_alias, starting a load) cannot interleave with another
+call; where an `await` separates them (unload, remove, a queued load), the check is made again under the model's
+lock. A model being removed refuses every other change (409 `model_removing`) until it is gone, and a load queued
+behind a remove gives up instead of deploying a deleted model. Loads are single-flight: concurrent requests for an
 unloaded model all wait on the same load. After a restart the actor reads its file back and checks each model
 against what Serve is actually running. Every saved change also bumps a version that routers long-poll
 (`routing_table`), so they route without asking the registry per request.
@@ -31,7 +35,9 @@ from rayrunner.errors import (
     ModelAlreadyLoadedError,
     ModelAlreadyUnloadedError,
     ModelLoadError,
+    ModelNotFoundError,
     ModelReloadingError,
+    ModelRemovingError,
     as_rayrunner_error,
 )
 from rayrunner.footprint import estimate_bytes
@@ -41,6 +47,7 @@ from rayrunner.spec import ModelSpec
 
 REGISTRY_NAME = "rayrunner-registry"
 NAMESPACE = "rayrunner"
+DEFAULT_APP = "rayrunner"
 
 logger = logging.getLogger(__name__)
 _ROOM_POLL_S = 0.5  # how often a load waiting for room re-checks whether a model became evictable
@@ -49,11 +56,12 @@ LoadMode = Literal["deploy", "adopt", "replace"]
 
 
 class Registry:
-    def __init__(self, state_path: str | None = None) -> None:
-        self.path = Path(state_path) if state_path else cache_dir() / "registry.json"
+    def __init__(self, state_path: str) -> None:
+        self.path = Path(state_path)
         self.state = RegistryState.load(self.path)
         self.config = RegistryConfig.model_validate(self.state.settings)
         self._locks: dict[str, asyncio.Lock] = {}
+        self._removing: set[str] = set()
         self._loads: dict[str, asyncio.Task[None]] = {}
         self._reconciled = False
         self._epoch = uuid.uuid4().hex  # a restarted registry is a new epoch, so routers never trust old versions
@@ -70,7 +78,7 @@ class Registry:
         """Apply the config (it wins for the models it declares; see `RegistryState.apply_config`), then settle
         every model against Serve. Returns what changed, as logged."""
         self.config = RegistryConfig.model_validate(config)
-        self.state.settings = self.config.model_dump(mode="json", exclude={"models", "default_model"})
+        self.state.settings = self.config.model_dump(mode="json", exclude={"models", "default_model", "auth"})
         changes = self.state.apply_config(self.config)
         for line in changes.log:
             logger.info("config: %s", line)
@@ -173,7 +181,7 @@ class Registry:
     async def ensure_loaded(self, name: str) -> str:
         """Auto-reload: return once the model is loaded, joining a load already under way."""
         await self._ensure_reconciled()
-        record = self.state.serving(self.state.resolve(name))
+        record = self.state.serving(self._changeable(name))
         record.last_used_at = time.time()
         if record.status != "loaded":
             await asyncio.shield(self._loads.get(record.spec.model_id) or self._start_load(record))
@@ -181,7 +189,7 @@ class Registry:
 
     async def reload(self, name: str) -> dict[str, Any]:
         await self._ensure_reconciled()
-        requested = self.state.resolve(name)
+        requested = self._changeable(name)
         record = self.state.serving(requested)
         if record.status == "loaded":
             raise ModelAlreadyLoadedError(record.spec.model_id)
@@ -193,17 +201,23 @@ class Registry:
     async def unload(self, name: str, mode: UnloadMode = "stop") -> dict[str, Any]:
         """`stop`: scale to zero replicas; `sleep`: the replica frees its weights and stays, to wake quickly."""
         await self._ensure_reconciled()
-        requested = self.state.resolve(name)
+        requested = self._changeable(name)
         record = self.state.serving(requested)  # a LoRA model unloads with its host
         model_id = record.spec.model_id
-        if record.status == "reloading":
-            raise ModelReloadingError(model_id)
-        if record.status == "unloaded" and not (mode == "stop" and record.unload_mode == "sleep"):
-            raise ModelAlreadyUnloadedError(model_id)  # (a sleeping model may still be stopped)
+        self._check_unloadable(record, mode)  # fails fast, without waiting for the lock
         async with self._lock(model_id):
+            self._check_current(record)
+            self._check_unloadable(record, mode)  # again: another unload may have run while this one waited
             # the default stays here: a request for `default` reloads it
             await self._unload(record, "user", mode)
         return self._card(requested)
+
+    @staticmethod
+    def _check_unloadable(record: ModelRecord, mode: UnloadMode) -> None:
+        if record.status == "reloading":
+            raise ModelReloadingError(record.spec.model_id)
+        if record.status == "unloaded" and not (mode == "stop" and record.unload_mode == "sleep"):
+            raise ModelAlreadyUnloadedError(record.spec.model_id)  # (a sleeping model may still be stopped)
 
     async def add(self, entry: dict[str, Any]) -> dict[str, Any]:
         """Register and (with `load`) load a model. For an id already registered with the same spec this attaches
@@ -213,11 +227,13 @@ class Registry:
         parsed = ModelEntry.model_validate(entry)
         model_id = parsed.spec.model_id
         if model_id in self.state.models:
+            self._changeable(model_id)
             self.state.attach(parsed.spec, parsed.aliases).configure(parsed)
             self._persist()
             if parsed.load:
                 await self.ensure_loaded(model_id)
             return self._card(model_id)
+        self.config.sources.check(parsed.spec.which)  # a new model added at runtime: only from allowed sources
         self.state.check_new(model_id, parsed.aliases)
         record = self.state.add(parsed.spec, parsed.aliases)
         record.configure(parsed)
@@ -227,26 +243,35 @@ class Registry:
         return self._card(model_id)
 
     async def remove(self, name: str) -> dict[str, Any]:
+        """Forget a model and delete its app. From the first check on, every other change to it is refused."""
         await self._ensure_reconciled()
-        model_id = self.state.resolve(name)
-        async with self._lock(model_id):
-            record = self.state.models[model_id]
-            if record.status == "reloading":
-                raise ModelReloadingError(model_id)
-            await model_apps.delete(record.spec.app_name)
-            self.state.remove(model_id)
-            self._persist()
+        model_id = self._changeable(name)
+        record = self.state.models[model_id]
+        if record.status == "reloading":
+            raise ModelReloadingError(model_id)
+        self._removing.add(model_id)
+        try:
+            async with self._lock(model_id):
+                self._check_current(record)
+                if record.status == "reloading":  # a load queued before this remove started
+                    raise ModelReloadingError(model_id)
+                await model_apps.delete(record.spec.app_name)
+                self.state.remove(model_id)
+                self._persist()
+        finally:
+            self._removing.discard(model_id)
+        self._locks.pop(model_id, None)  # a later model of that id gets a fresh lock
         return {"model_id": model_id, "removed": True}
 
     async def set_default(self, name: str) -> dict[str, Any]:
         await self._ensure_reconciled()
-        model_id = self.state.set_default(name)
+        model_id = self.state.set_default(self._changeable(name))
         self._persist()
         return self._card(model_id)
 
     async def add_alias(self, model_id: str, alias: str) -> dict[str, Any]:
         await self._ensure_reconciled()
-        resolved = self.state.resolve(model_id)
+        resolved = self._changeable(model_id)
         if self.state.add_alias(resolved, alias):
             self._persist()
         return self._card(resolved)
@@ -356,6 +381,19 @@ class Registry:
     def _lock(self, model_id: str) -> asyncio.Lock:
         return self._locks.setdefault(model_id, asyncio.Lock())
 
+    def _changeable(self, name: str) -> str:
+        """The model id `name` resolves to, unless that model (or a LoRA model's host) is being removed."""
+        model_id = self.state.resolve(name)
+        for affected in (model_id, self.state.serving(model_id).spec.model_id):
+            if affected in self._removing:
+                raise ModelRemovingError(affected)
+        return model_id
+
+    def _check_current(self, record: ModelRecord) -> None:
+        """Under the model's lock: the record is still the registered one (not removed while the caller waited)."""
+        if self.state.models.get(record.spec.model_id) is not record:
+            raise ModelNotFoundError(record.spec.model_id)
+
     def _start_load(self, record: ModelRecord, mode: LoadMode = "deploy") -> asyncio.Task[None]:
         """Mark the model `reloading` now (so later callers join), and load it in a task: `deploy` its spec,
         `adopt` a deploy already under way, or `replace` a running app (deleted first, so the old replica is gone
@@ -376,6 +414,7 @@ class Registry:
     async def _load(self, record: ModelRecord, mode: LoadMode) -> None:
         spec = record.spec
         async with self._lock(spec.model_id):
+            self._check_current(record)  # removed while this load waited: deploy nothing
             if mode != "adopt":
                 await self._room_or_unloaded(record)
             started = time.monotonic()
@@ -496,10 +535,23 @@ async def _logged(work: Any) -> None:
 RegistryActor = ray.remote(Registry)
 
 
-def get_registry(state_path: str | None = None) -> Any:
-    """The registry actor: created detached on first use, found by name afterwards (it outlives redeploys)."""
+def registry_name(app_name: str = DEFAULT_APP) -> str:
+    """The registry actor's name for the router app `app_name`: one registry per service, never shared by accident
+    between two services on one cluster."""
+    return REGISTRY_NAME if app_name == DEFAULT_APP else f"{REGISTRY_NAME}-{app_name}"
+
+
+def default_state_path(app_name: str = DEFAULT_APP) -> str:
+    """`$RAYRUNNER_CACHE_DIR/registry.json` for the default app, `registry-<app>.json` for any other."""
+    name = "registry.json" if app_name == DEFAULT_APP else f"registry-{app_name}.json"
+    return str(cache_dir() / name)
+
+
+def get_registry(app_name: str = DEFAULT_APP, state_path: str | None = None) -> Any:
+    """The registry of the router app `app_name`: created detached on first use, found by name afterwards (it
+    outlives redeploys)."""
     return RegistryActor.options(
-        name=REGISTRY_NAME,
+        name=registry_name(app_name),
         namespace=NAMESPACE,
         lifetime="detached",
         get_if_exists=True,
@@ -507,4 +559,4 @@ def get_registry(state_path: str | None = None) -> Any:
         max_task_retries=0,
         num_cpus=0,
         max_concurrency=1000,
-    ).remote(state_path)
+    ).remote(state_path or default_state_path(app_name))

@@ -26,6 +26,8 @@ from rayrunner.errors import (
     SpecMismatchError,
 )
 from rayrunner.protocol import DEFAULT_MODEL
+from rayrunner.router.gate import ApiKeys, RequestLimits
+from rayrunner.source_policy import SourcePolicy
 from rayrunner.spec import ModelSpec
 from rayrunner.which import Lora, Plain
 
@@ -84,6 +86,10 @@ class RegistryConfig(BaseModel):
                                           "first unloads idle models, least recently used first (default: no limit).")
     max_loaded_bytes: int | None = Field(None, ge=1, description="Most estimated bytes (weights and KV reserve) "
                                          "loaded at once, enforced the same way (default: no limit).")
+    sources: SourcePolicy = Field(default_factory=SourcePolicy, description="Where models added at runtime may "
+                                  "load from (default: builtin models only).")
+    limits: RequestLimits = Field(default_factory=RequestLimits, description="Body size, tokens, time per request.")
+    auth: ApiKeys = Field(default_factory=ApiKeys, description="API keys (default: none needed); never saved.")
 
     @model_validator(mode="after")
     def _consistent(self) -> RegistryConfig:

@@ -75,8 +75,9 @@ class Service:
 
         from rayrunner.router.app import build_router_app
 
-        self.config = config
-        serve.run(build_router_app(config), name="rayrunner", route_prefix="/")
+        # Tests add models from temporary folders: every source is allowed unless a test sets `sources` itself.
+        self.config = {"sources": {"local_roots": ["/"], "hub_orgs": ["*"]}, **config}
+        serve.run(build_router_app(self.config), name="rayrunner", route_prefix="/")
         self.url = cluster["http"]
         self.http = httpx.Client(base_url=self.url, timeout=600)
         self.handle = serve.get_app_handle("rayrunner")
@@ -103,8 +104,10 @@ def cleanup_serve() -> None:
 
     for app in list(serve.status().applications):
         serve.delete(app)
-    with contextlib.suppress(ValueError):  # no registry was started
-        ray.kill(ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE))
+    for actor in ray.util.list_named_actors(all_namespaces=True):  # every service's registry
+        if actor["namespace"] == NAMESPACE and actor["name"].startswith(REGISTRY_NAME):
+            with contextlib.suppress(ValueError):  # gone meanwhile
+                ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE))
 
 
 def model_entry(model_id: str, source: str, load: bool = True, aliases: list[str] | None = None,

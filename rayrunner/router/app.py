@@ -30,7 +30,8 @@ from rayrunner.protocol import (
     UnloadBody,
 )
 from rayrunner.registry_state import RegistryConfig
-from rayrunner.router import cards
+from rayrunner.router import cards, timeouts
+from rayrunner.router.gate import Gate
 from rayrunner.router.responses_api import ResponsesRequest, event_frames, stream_events, to_chat_request, to_response
 from rayrunner.router.service import _GENERATES, RouterService
 
@@ -68,6 +69,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 add_error_handlers(api)
+api.add_middleware(Gate)  # API keys and the body-size limit, before any route
 
 
 _UNION_MEMBERS = {"str", "int", "float", "bool", "dict", "list", "none"}
@@ -115,15 +117,13 @@ def sse(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 @serve.deployment(name="Router", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1})
 @serve.ingress(api)
 class Router:
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.service = RouterService(RegistryConfig.model_validate(config))
-        self._bootstrapped = False
-
-    async def _started(self) -> RouterService:
-        if not self._bootstrapped:
-            await self.service.start()
-            self._bootstrapped = True
-        return self.service
+    async def __init__(self, config: dict[str, Any]) -> None:  # type: ignore[misc]  # Serve awaits it
+        """Bootstrap the registry at deploy time: a bad config fails the deploy (DEPLOY_FAILED, with the reason),
+        and `load: true` models start loading before any request."""
+        app_name = serve.get_replica_context().app_name
+        self.service = RouterService(RegistryConfig.model_validate(config), app_name)
+        Gate.configure(self.service.config.auth, self.service.config.limits)
+        await self.service.start()
 
     # ------------------------------------------------------------ OpenAI API (HTTP)
 
@@ -151,7 +151,6 @@ class Router:
 
     @api.get("/health")
     async def health(self) -> dict[str, str]:
-        await self._started()
         return {"status": "ok"}
 
     # ------------------------------------------------------------ admin API (HTTP)
@@ -235,17 +234,26 @@ class Router:
         return stream_events(await self._open_stream("chat_stream", chat), request)
 
     async def _infer(self, method: str, body: dict[str, Any], kinds: set[str]) -> dict[str, Any]:
+        limits = self.service.config.limits
+        if kinds == _GENERATES:
+            body = limits.bounded(body)
         try:
-            return await (await self._started()).call(body["model"], method, body, kinds)
+            async with timeouts.within(limits.request_timeout_s):
+                return await self.service.call(body["model"], method, body, kinds)
         except Exception as exc:
             raise client_error(exc, body["model"]) from None
 
     async def _open_stream(self, method: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The model's stream with its first item already received (errors surface here, before any output)."""
+        limits = self.service.config.limits
+        body = limits.bounded(body)
+        deadline = timeouts.deadline(limits.request_timeout_s)
         try:
-            return await (await self._started()).stream(body["model"], method, body, _GENERATES)
+            async with timeouts.within(limits.request_timeout_s):
+                stream = await self.service.stream(body["model"], method, body, _GENERATES)
         except Exception as exc:
             raise client_error(exc, body["model"]) from None
+        return timeouts.until(deadline, stream)
 
     async def list_models(self) -> list[dict[str, Any]]:
         return await self._admin("cards")
@@ -285,7 +293,7 @@ class Router:
 
     async def _admin(self, operation: str, *args: Any) -> Any:
         try:
-            return await (await self._started()).admin(operation, *args)
+            return await self.service.admin(operation, *args)
         except Exception as exc:
             raise client_error(exc) from None
 

@@ -32,9 +32,9 @@ _MUTATIONS = {"unload", "reload", "add", "remove", "set_default", "add_alias"}
 
 
 class RouterService:
-    def __init__(self, config: RegistryConfig) -> None:
+    def __init__(self, config: RegistryConfig, app_name: str) -> None:
         self.config = config
-        self.registry = get_registry(config.state_path)
+        self.registry = get_registry(app_name, config.state_path)
         self.routes = RoutingTable(self.registry)
         self.usage = UsageTracker(self.registry)
         self._handles: dict[str, DeploymentHandle] = {}

@@ -10,6 +10,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ def shipped_config(state_path: Path) -> dict[str, Any]:
     config: dict[str, Any] = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     router = next(app for app in config["applications"] if app["name"] == "rayrunner")
     router["args"]["state_path"] = str(state_path)
+    router["args"]["sources"]["local_roots"].append(tempfile.gettempdir())  # the tests' tiny models live there
     return config
 
 

@@ -1,0 +1,177 @@
+"""What every HTTP request passes before a route runs: API keys and the body-size limit (an ASGI middleware), and
+the per-request limits the routes apply (max tokens, timeout), all from the router's args.
+
+API keys are optional. With `auth.api_keys` set (or `RAYRUNNER_API_KEYS`, comma-separated), every route but
+`/health` and the docs needs `Authorization: Bearer <key>` (the OpenAI SDKs send it): 401 without a known key. With
+`auth.admin_api_keys` (or `RAYRUNNER_ADMIN_API_KEYS`), the admin routes (every `POST /v1/models/...` but `status`)
+need an admin key: 401 without a known key, 403 for an inference key; admin keys are accepted everywhere. Keys
+are compared in constant time and never logged or echoed. Handle callers (`DeploymentHandle`, `Runner`) are inside
+the cluster and pass no key.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rayrunner.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    PermissionDeniedError,
+    RayRunnerError,
+    RequestTooLargeError,
+)
+
+_OPEN_PATHS = {"/health", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
+_READ_ONLY_ADMIN = {"/v1/models/status"}
+
+
+class ApiKeys(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    api_keys: list[str] = Field(default_factory=list, description="Keys for the inference routes (and reads).")
+    admin_api_keys: list[str] = Field(default_factory=list, description="Keys for the admin routes (and all).")
+
+    def with_environment(self) -> ApiKeys:
+        """These keys plus `RAYRUNNER_API_KEYS` / `RAYRUNNER_ADMIN_API_KEYS` (comma-separated)."""
+        return ApiKeys(api_keys=self.api_keys + _env_keys("RAYRUNNER_API_KEYS"),
+                       admin_api_keys=self.admin_api_keys + _env_keys("RAYRUNNER_ADMIN_API_KEYS"))
+
+
+class RequestLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_body_bytes: int = Field(32 * 2**20, ge=1024, description="Largest request body (413 past it).")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens one request may generate: a larger "
+                                   "`max_tokens` is a 400, an unset one gets this (default: no limit).")
+    request_timeout_s: float | None = Field(None, gt=0, description="Longest a request may run; past it, a 408 "
+                                            "(a stream ends with that error) and its work is cancelled.")
+
+    def bounded(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A generation body within `max_tokens`: refused above it, given it when it sets none."""
+        if self.max_tokens is None:
+            return body
+        asked = body.get("max_tokens")
+        if asked is None:
+            return {**body, "max_tokens": self.max_tokens}
+        if asked > self.max_tokens:
+            raise InvalidRequestError(f"max_tokens: {asked} is more than this service allows per request "
+                                      f"({self.max_tokens})", param="max_tokens")
+        return body
+
+
+def _env_keys(name: str) -> list[str]:
+    return [key.strip() for key in os.environ.get(name, "").split(",") if key.strip()]
+
+
+def _known(key: str | None, keys: list[str]) -> bool:
+    """Constant-time membership: every configured key is compared, whatever matches."""
+    found = False
+    for candidate in keys:
+        found |= key is not None and hmac.compare_digest(key.encode(), candidate.encode())
+    return found
+
+
+def _is_admin_route(method: str, path: str) -> bool:
+    return method == "POST" and path.startswith("/v1/models/") and path not in _READ_ONLY_ADMIN
+
+
+class Gate:
+    """ASGI middleware in front of the router's FastAPI app. `keys` and `limits` are the router's (one router per
+    replica process; set by the Router at start)."""
+
+    keys: ClassVar[ApiKeys] = ApiKeys()
+    limits: ClassVar[RequestLimits] = RequestLimits()
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    @classmethod
+    def configure(cls, keys: ApiKeys, limits: RequestLimits) -> None:
+        cls.keys, cls.limits = keys.with_environment(), limits
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            self._authorize(scope)
+            body = await self._read_body(scope, receive)
+        except RayRunnerError as exc:
+            await _send_error(send, exc)
+            return
+        if body is not None:
+            await self.app(scope, _replay(body, receive), send)
+
+    def _authorize(self, scope: dict[str, Any]) -> None:
+        path, keys = scope["path"], self.keys
+        if path in _OPEN_PATHS or not (keys.api_keys or keys.admin_api_keys):
+            return
+        key = _bearer(scope)
+        if _known(key, keys.admin_api_keys):
+            return
+        if _is_admin_route(scope["method"], path) and keys.admin_api_keys:
+            if _known(key, keys.api_keys):
+                raise PermissionDeniedError("this key may not use the admin API (it needs an admin key)")
+            raise AuthenticationError("an admin API key is required (Authorization: Bearer <key>)")
+        if keys.api_keys and not _known(key, keys.api_keys):
+            raise AuthenticationError("a valid API key is required (Authorization: Bearer <key>)")
+
+    async def _read_body(self, scope: dict[str, Any], receive: Any) -> bytes | None:
+        """The whole body, refused past the limit (by its declared length at once, else as it arrives); None if
+        the client went away meanwhile. Read here, not by the route, so the refusal is an OpenAI-shaped 413."""
+        limit = self.limits.max_body_bytes
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise _too_large(limit)
+        chunks: list[bytes] = []
+        size, more = 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """A `receive` that hands the route the body already read, then the client's later messages (a disconnect)."""
+    pending = True
+
+    async def replayed() -> dict[str, Any]:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        message: dict[str, Any] = await receive()
+        return message
+
+    return replayed
+
+
+def _too_large(limit: int) -> RequestTooLargeError:
+    return RequestTooLargeError(f"the request body is larger than this service accepts ({limit} bytes)")
+
+
+def _bearer(scope: dict[str, Any]) -> str | None:
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+async def _send_error(send: Any, exc: RayRunnerError) -> None:
+    body = json.dumps(exc.to_dict()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if exc.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
