@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-import click
+import typer
 
 from rayrunner.cli.api import Api, CliError
 
@@ -50,14 +51,15 @@ class Conversation:
         self.messages.append({"role": "user", "content": text})
         body = {"model": self.model, "messages": self.messages, "stream": True,
                 "stream_options": {"include_usage": True}, **self.sampling.fields()}
-        answer, usage = _print_stream(self.api.stream("/v1/chat/completions", body))
+        answer, usage = print_stream(self.api.stream("/v1/chat/completions", body))
         self.messages.append({"role": "assistant", "content": answer})
         if self.verbose and usage:
-            click.echo(usage_line(usage), err=True)
+            typer.echo(usage_line(usage), err=True)
         return answer
 
 
-def _print_stream(chunks: Any) -> tuple[str, dict[str, Any] | None]:
+def print_stream(chunks: Iterable[dict[str, Any]]) -> tuple[str, dict[str, Any] | None]:
+    """Print the content deltas as they come, then a newline; return the answer and the usage (if sent)."""
     parts: list[str] = []
     usage = None
     try:
@@ -66,11 +68,13 @@ def _print_stream(chunks: Any) -> tuple[str, dict[str, Any] | None]:
             for choice in chunk.get("choices") or []:
                 piece = (choice.get("delta") or {}).get("content")
                 if piece:
-                    click.echo(piece, nl=False)
+                    typer.echo(piece, nl=False)
                     parts.append(piece)
-    finally:
-        if parts:  # the answer's line ends before anything else is printed, an error line included
-            click.echo()
+    except CliError:
+        if parts:  # end the answer's line before the error line
+            typer.echo()
+        raise
+    typer.echo()
     return "".join(parts), usage
 
 
@@ -86,7 +90,7 @@ def _read_turn(stdin: TextIO, interactive: bool) -> str | None:
         try:
             line = input(PROMPT)
         except EOFError:
-            click.echo()
+            typer.echo()
             return None
     else:
         line = stdin.readline()
