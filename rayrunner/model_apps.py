@@ -22,6 +22,7 @@ from ray import serve
 
 from rayrunner.deployments.model_server import DEPLOYMENT, model_deployment
 from rayrunner.errors import ModelLoadError, ModelTimeoutError
+from rayrunner.placement import check_placeable
 from rayrunner.spec import ModelSpec
 
 _POLL_S = 0.2
@@ -88,10 +89,12 @@ async def deployed_args(app: str) -> dict[str, Any] | None:
 
 async def deploy(spec: ModelSpec) -> None:
     """Submit the model's app (one replica) to Serve; `wait_loaded` then follows it to RUNNING or to its failure.
+    A replica that no node of the cluster could ever hold is refused first (`UnplaceableModelError`).
 
     Not `serve.run`: it polls the app once a second, which rounded every reload up to the next whole second."""
 
     def submit() -> None:
+        check_placeable(spec)  # a replica no node can hold would stay PENDING until the load times out
         with _SERVE_CONFIG_LOCK:
             target = serve.RunTarget(model_deployment(spec), name=spec.app_name, route_prefix=None,
                                      external_scaler_enabled=True)

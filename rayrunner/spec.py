@@ -24,6 +24,14 @@ class EngineSettings(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto`: cuda when the replica has a GPU.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved by each replica.")
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each replica (fractional is fine).")
+    accelerator_type: str | None = Field(
+        None, min_length=1, description="Ray's `accelerator_type` (e.g. `A10G`, `H100`): the replica runs only on a "
+        "node with resource `accelerator_type:<type>`."
+    )
+    memory: int | None = Field(None, ge=1, description="Bytes of Ray's `memory` resource reserved by each replica.")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources reserved by each replica, `{name: amount}`."
+    )
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: CPU count).")
     max_num_seqs: int = Field(32, ge=1, description="Most sequences decoded together in one step.")
     max_queued_requests: int = Field(
@@ -59,6 +67,29 @@ class EngineSettings(BaseModel):
             if "max_batch_size" in data:
                 data.setdefault("max_num_seqs", data.pop("max_batch_size"))
         return data
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, value: dict[str, float]) -> dict[str, float]:
+        fields = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": "memory", "object_store_memory": None}
+        for name, amount in value.items():
+            if name in fields or name.startswith("accelerator_type:"):
+                instead = fields.get(name, "accelerator_type")
+                raise ValueError(f"`{name}` is not a custom resource" + (f"; use `{instead}`" if instead else ""))
+            if amount < 0:
+                raise ValueError(f"resource `{name}` cannot be negative")
+        return value
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        """The replica's Ray actor options: what it reserves and which nodes may hold it."""
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.accelerator_type is not None:
+            options["accelerator_type"] = self.accelerator_type
+        if self.memory is not None:
+            options["memory"] = self.memory
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        return options
 
     def replica_max_ongoing_requests(self) -> int:
         """Serve's per-replica limit: every running and queued sequence, plus room for admin calls."""

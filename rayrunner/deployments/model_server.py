@@ -183,7 +183,7 @@ def model_deployment(spec: ModelSpec) -> Application:
             graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
             graceful_shutdown_wait_loop_s=0.5,
             max_constructor_retry_count=1,  # a broken model does not heal by retrying; fail fast instead
-            ray_actor_options={"num_cpus": settings.num_cpus, "num_gpus": settings.num_gpus},
+            ray_actor_options=settings.ray_actor_options(),
         )(ModelServer)
         .bind(spec.model_dump(mode="json"))
     )
