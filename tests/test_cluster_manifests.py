@@ -115,8 +115,10 @@ def test_multi_node_configs_keep_the_registry_state_on_shared_storage(name: str)
     state_path = PurePosixPath(router_args(config)["state_path"])
     assert state_path.is_absolute() and state_path.is_relative_to("/shared")
     assert config["http_options"]["host"] == "0.0.0.0" and config["proxy_location"] == "EveryNode"
-    assert any(ModelSpec.model_validate(app["args"]).engine.num_gpus > 0
-               for app in config["applications"] if app["import_path"] == MODEL_APP)
+    engines = [entry.spec.engine for entry in RegistryConfig.model_validate(router_args(config)).models]
+    assert any(engine.num_gpus > 0 for engine in engines)
+    # A replica that reserved no GPU still sees a GPU node's GPUs, and `device: auto` would load onto one.
+    assert all(engine.device == "cpu" for engine in engines if engine.num_gpus == 0)
 
 
 def test_rayservice_has_a_cpu_head_and_a_gpu_worker_group_on_rayrunners_ray() -> None:
