@@ -78,7 +78,8 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
-ContentPart = TextPart | ImagePart
+# Tagged by `type`: a part without one, or of a kind not listed, is a 400 naming it (never read as text).
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class FunctionCall(BaseModel):
@@ -94,10 +95,16 @@ class ToolCall(BaseModel):
 
 class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] | None = None
+    content: list[ContentPart] | str | None = None  # the list first: its errors are the ones worth reporting
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant message's calls (history).")
     tool_call_id: str | None = Field(None, description="A `tool` message: the id of the call it answers.")
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":  # only an assistant's (tool-calling) turn may omit it
+            raise ValueError(f"a `{self.role}` message needs `content`")
+        return self
 
     def text(self) -> str:
         """The message's text, with image parts left out."""

@@ -104,6 +104,8 @@ class TextEngine(Engine):
         adapter = adapter or self.default_adapter
         if adapter is not None:
             self.adapters.check(adapter)
+        if not ids:  # an empty completion prompt: nothing to condition on, and a forward pass of no tokens fails
+            raise InvalidRequestError("prompt: the prompt is empty (no tokens)", param="prompt")
         room = self.max_seq_len - len(ids)
         if room < 1:
             raise InvalidRequestError(
