@@ -10,7 +10,10 @@ torch_build="${RAYRUNNER_TORCH:-auto}"
 if [ "$torch_build" = auto ]; then
   if nvidia-smi -L >/dev/null 2>&1; then torch_build=cuda; else torch_build=cpu; fi
 fi
-case "$torch_build" in cpu | cuda) ;; *) echo "RAYRUNNER_TORCH must be cpu, cuda or auto, not \`$torch_build\`" >&2; exit 2 ;; esac
+case "$torch_build" in
+  cpu | cuda) ;;
+  *) echo "RAYRUNNER_TORCH must be cpu, cuda or auto, not \`$torch_build\`" >&2; exit 2 ;;
+esac
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # torch before rayrunner, so that its `torch` requirement is already met by the build chosen here.
