@@ -34,6 +34,8 @@ app = typer.Typer(
 P = ParamSpec("P")
 
 DEFAULT_CONFIG = Path("serve_config.yaml")
+# As scripts/install.sh sets them: token auth off for the cluster and its drivers alike, no usage stats.
+SERVE_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 WIDE = 1000  # a table written to a pipe or file is not wrapped to 80 columns
 
 
@@ -109,13 +111,16 @@ def serve(
     config: Annotated[Path, typer.Argument(metavar="CONFIG", help="Serve config file (extra options go to "
                                            "`serve run`).")] = DEFAULT_CONFIG,
 ) -> None:
-    """Run the service in the foreground: Ray Serve's `serve run CONFIG`."""
+    """Run the service in the foreground: Ray Serve's `serve run CONFIG`, with scripts/serve.sh's Ray settings
+    (RAY_AUTH_MODE=disabled, RAY_USAGE_STATS_ENABLED=0) where the environment does not set them."""
     if not config.is_file():
         raise CliError(f"config file `{config}` not found")
     here = Path(sys.executable).parent
     exe = shutil.which("serve", path=str(here)) or shutil.which("serve")
     if exe is None:
         raise CliError("Ray Serve's `serve` command was not found (pip install 'ray[serve]')")
+    for name, value in SERVE_ENV.items():
+        os.environ.setdefault(name, value)
     sys.stdout.flush()
     os.execv(exe, [exe, "run", str(config), *ctx.args])
 
