@@ -190,7 +190,9 @@ def run(model_dir: str, state_dir: str) -> None:
             response = chat(http, model_id)
             check(response.status_code == 200, f"chat with `{model_id}`: {response.status_code} {response.text}")
         log(f"both models loaded and answered in {time.monotonic() - started:.1f} s")
-        log(f"registry on node {nodes.get(actor_node(registry_name(), NAMESPACE))}; state file {state_dir}")
+        router = replica_actor("rayrunner")
+        log(f"registry on node {nodes.get(actor_node(registry_name(), NAMESPACE))}, router on node "
+            f"{router and nodes.get(router['Address']['NodeID'])}; state file {state_dir}")
         head = next(node for node in ray.nodes() if node["NodeID"] == cluster.head_node.node_id)
         log(f"head node resources: {sorted(head['Resources'])}")
         check_placement(nodes)
@@ -206,16 +208,20 @@ def run(model_dir: str, state_dir: str) -> None:
 def main() -> int:
     model_dir, state_dir = sys.argv[1], sys.argv[2]
     started = time.monotonic()
+    passed = False
     try:
         run(model_dir, state_dir)
+        passed = True
     except ScenarioFailed as exc:
         print(f"FAILED: {exc}", flush=True)
-        return 1
     finally:
-        if OWN_TMPDIR:
+        if not passed:
+            print(f"[logs] Ray's logs are kept in {os.environ['RAY_TMPDIR']}/ray/session_latest/logs", flush=True)
+        elif OWN_TMPDIR:
             shutil.rmtree(OWN_TMPDIR, ignore_errors=True)
-    log(f"PASSED in {time.monotonic() - started:.1f} s")
-    return 0
+    if passed:
+        log(f"PASSED in {time.monotonic() - started:.1f} s")
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

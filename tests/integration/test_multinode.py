@@ -33,8 +33,8 @@ def test_models_placed_by_resources_refused_when_unplaceable_and_moved_off_a_dea
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)  # the scenario and the Ray processes it started with it
         output, _ = child.communicate()
-        output += f"\n(killed after {TIMEOUT_S} s)"
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        output += f"\n(killed after {TIMEOUT_S} s; Ray's logs are kept in {ray_tmp})"
+    if child.returncode == 0:
+        shutil.rmtree(ray_tmp, ignore_errors=True)  # kept on failure: the scenario's last line says where
     report = "\n".join(line for line in output.splitlines() if line.startswith(("[", "FAILED", "Traceback", " ")))
     assert child.returncode == 0, f"multi-node scenario failed (exit {child.returncode}):\n{report or output}"
