@@ -62,7 +62,7 @@ class MultimodalEngine(Engine):
         self._tokenizer = self._processor.tokenizer
         self._eos_ids = stop_ids(self._model, self._tokenizer)
         self.grammars = Grammars(self._tokenizer, self._eos_ids, self._model.config.get_text_config().vocab_size)
-        self.scheduler = StepScheduler(self._model, scheduler_limits(spec.engine))
+        self.scheduler = StepScheduler(self._model, scheduler_limits(spec.engine), model_id=spec.model_id)
         self.scheduler.start(self.compute)
 
     def info(self) -> EngineInfo:

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from rayrunner import metrics
 from rayrunner.deployments.compute_thread import ComputeThread
 from rayrunner.deployments.detokenizer import Detokenizer
 from rayrunner.deployments.engine import GenerationEvent, TokenLogprob
@@ -41,6 +42,7 @@ from rayrunner.errors import InvalidRequestError, ServerOverloadedError
 from rayrunner.spec import EngineSettings
 
 logger = logging.getLogger(__name__)
+_REPORT_S = 0.5  # the running/queued gauges' refresh while busy
 STUCK_STEP_S = 300.0  # one step (a prefill chunk and a decode) taking longer than this means the engine is wedged
 T = TypeVar("T")
 
@@ -59,8 +61,11 @@ def scheduler_limits(settings: EngineSettings) -> SchedulerLimits:
 class StepScheduler:
     """Runs one model's sequences step by step in a daemon thread; `submit` may be called from any thread."""
 
-    def __init__(self, model: Any, limits: SchedulerLimits, adapters: LoraAdapters | None = None) -> None:
+    def __init__(self, model: Any, limits: SchedulerLimits, adapters: LoraAdapters | None = None,
+                 model_id: str | None = None) -> None:
+        """`model_id` labels the running/queued gauges this scheduler reports (`rayrunner.metrics`); None: none."""
         self.model = model
+        self.model_id = model_id
         self.adapters = adapters
         self.device = model.device
         self.limits = limits
@@ -78,6 +83,7 @@ class StepScheduler:
         self._loop_done: Future[None] | None = None
         self._step_started_at: float | None = None  # while a step runs (health checks spot a stuck one)
         self._died_of: BaseException | None = None
+        self._reported_at = 0.0
         self.steps = 0
 
     # ------------------------------------------------------------ the request side
@@ -179,6 +185,8 @@ class StepScheduler:
     def _steps(self) -> None:
         while True:
             with self._cond:
+                if not (self._waiting or self._running or self._chunking or self._jobs):
+                    self._report_load(force=True)  # idle: the gauges say so
                 while not (self._closed or self._waiting or self._running or self._chunking or self._jobs):
                     self._cond.wait()
                 if self._closed:
@@ -187,6 +195,16 @@ class StepScheduler:
             with torch.inference_mode():
                 self.step()
             self._step_started_at = None
+            self._report_load()
+
+    def _report_load(self, force: bool = False) -> None:
+        """Running and queued sequences to the metrics, at most twice a second while busy."""
+        now = time.monotonic()
+        if self.model_id is None or (not force and now - self._reported_at < _REPORT_S):
+            return
+        self._reported_at = now
+        stats = self.stats()
+        metrics.sequences(self.model_id, stats["running"], stats["waiting"])
 
     def step(self) -> None:
         """One scheduling step (public for tests that drive the scheduler without its thread)."""

@@ -44,7 +44,7 @@ class TextEngine(Engine):
         self.max_seq_len = int(spec.engine.max_seq_len or config_limit or 4096)
         self.adapters = LoraAdapters(self.model, spec.engine.max_adapters)
         self.default_adapter = self._spec_adapter(spec)
-        self.scheduler = StepScheduler(self.model, scheduler_limits(spec.engine), self.adapters)
+        self.scheduler = StepScheduler(self.model, scheduler_limits(spec.engine), self.adapters, spec.model_id)
         self.scheduler.start(self.compute)
 
     def _spec_adapter(self, spec: ModelSpec) -> str | None:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve import Application
 
+from rayrunner import metrics
 from rayrunner.errors import InvalidRequestError, RayRunnerError, client_error
 from rayrunner.protocol import (
     AddModelBody,
@@ -112,6 +113,21 @@ def sse(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(frames(), media_type="text/event-stream")
+
+
+async def _counted(model: str, method: str, stream: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """`stream`, counted once when it ends: 200, the status of the error that ended it, or 499 if the client left.
+    (Above the Router class: Serve pickles the ingress class when it is decorated, with the globals defined then.)"""
+    status = 499
+    try:
+        async for item in stream:
+            yield item
+        status = 200
+    except Exception as exc:
+        status = client_error(exc, model).status
+        raise
+    finally:
+        metrics.request(model, method, status)
 
 
 @serve.deployment(name="Router", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1})
@@ -235,25 +251,31 @@ class Router:
 
     async def _infer(self, method: str, body: dict[str, Any], kinds: set[str]) -> dict[str, Any]:
         limits = self.service.config.limits
-        if kinds == _GENERATES:
-            body = limits.bounded(body)
         try:
+            if kinds == _GENERATES:
+                body = limits.bounded(body)
             async with timeouts.within(limits.request_timeout_s):
-                return await self.service.call(body["model"], method, body, kinds)
+                result = await self.service.call(body["model"], method, body, kinds)
         except Exception as exc:
-            raise client_error(exc, body["model"]) from None
+            error = client_error(exc, body["model"])
+            metrics.request(self.service.model_label(body["model"]), method, error.status)
+            raise error from None
+        metrics.request(self.service.model_label(body["model"]), method, 200)
+        return result
 
     async def _open_stream(self, method: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The model's stream with its first item already received (errors surface here, before any output)."""
         limits = self.service.config.limits
-        body = limits.bounded(body)
         deadline = timeouts.deadline(limits.request_timeout_s)
         try:
+            body = limits.bounded(body)
             async with timeouts.within(limits.request_timeout_s):
                 stream = await self.service.stream(body["model"], method, body, _GENERATES)
         except Exception as exc:
-            raise client_error(exc, body["model"]) from None
-        return timeouts.until(deadline, stream)
+            error = client_error(exc, body["model"])
+            metrics.request(self.service.model_label(body["model"]), method, error.status)
+            raise error from None
+        return _counted(self.service.model_label(body["model"]), method, timeouts.until(deadline, stream))
 
     async def list_models(self) -> list[dict[str, Any]]:
         return await self._admin("cards")

@@ -81,6 +81,11 @@ class RouterService:
         weakref.finalize(stream, close)
         return stream
 
+    def model_label(self, name: str) -> str:
+        """The model id `name` routes to, for metrics: `unknown` for names that route nowhere (no label growth)."""
+        route = self.routes.get(name)
+        return str(route["model_id"]) if route is not None else "unknown"
+
     @contextlib.contextmanager
     def _open(self, model_id: str, body: dict[str, Any]) -> Iterator[None]:
         self.usage.begin(model_id, body.get("keep_alive"))

@@ -1,0 +1,101 @@
+"""rayrunner's metrics, through `ray.util.metrics`: exported by every node's Ray metrics agent in Prometheus format
+(names prefixed `ray_`), so the Ray dashboard's Grafana and any Prometheus that scrapes Ray see them with no set-up
+of their own. Every metric is labelled by `model` (a model id; names that resolve to none count as `unknown`, so
+typos cannot grow the label set). `cluster/grafana/rayrunner.json` is a dashboard over them.
+
+Who records what: the registry (status, loads, unloads by reason, load seconds, weight bytes), each router replica
+(requests by route and HTTP status), each model replica (time to first token, inter-token latency, tokens in and out,
+running and queued sequences).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ray.util import metrics
+
+STATUSES = ("loaded", "unloaded", "reloading")
+_LATENCY_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+_LOAD_S = [0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 900]
+
+
+@functools.cache
+def _counter(name: str, description: str, *tags: str) -> metrics.Counter:
+    return metrics.Counter(name, description, tag_keys=("model", *tags))
+
+
+@functools.cache
+def _gauge(name: str, description: str, *tags: str) -> metrics.Gauge:
+    return metrics.Gauge(name, description, tag_keys=("model", *tags))
+
+
+@functools.cache
+def _histogram(name: str, description: str, boundaries: tuple[float, ...]) -> metrics.Histogram:
+    return metrics.Histogram(name, description, boundaries=list(boundaries), tag_keys=("model",))
+
+
+# ------------------------------------------------------------ registry
+
+
+def model_status(model: str, status: str) -> None:
+    """One gauge per (model, status): 1 for the model's status now, 0 for the others."""
+    gauge = _gauge("rayrunner_model_status", "1 for the model's current status (loaded, unloaded, reloading).",
+                   "status")
+    for each in STATUSES:
+        gauge.set(1.0 if each == status else 0.0, tags={"model": model, "status": each})
+
+
+def model_loaded(model: str, seconds: float, weight_bytes: int | None) -> None:
+    _counter("rayrunner_model_loads", "Model loads, by result.", "result").inc(tags={"model": model, "result": "ok"})
+    _histogram("rayrunner_model_load_seconds", "Seconds from the start of a load to the model serving.",
+               tuple(_LOAD_S)).observe(seconds, tags={"model": model})
+    if weight_bytes is not None:
+        weights(model, weight_bytes)
+
+
+def model_load_failed(model: str) -> None:
+    _counter("rayrunner_model_loads", "Model loads, by result.", "result").inc(
+        tags={"model": model, "result": "failed"})
+
+
+def model_unloaded(model: str, reason: str, mode: str) -> None:
+    """`reason`: user, idle, or `evicted: <limit>`; `mode`: stop or sleep."""
+    _counter("rayrunner_model_unloads", "Model unloads, by reason and mode.", "reason", "mode").inc(
+        tags={"model": model, "reason": reason, "mode": mode})
+    weights(model, 0)
+
+
+def weights(model: str, weight_bytes: int) -> None:
+    _gauge("rayrunner_model_weight_bytes", "Bytes of weights the model's replica holds (0 when unloaded).").set(
+        float(weight_bytes), tags={"model": model})
+
+
+# ------------------------------------------------------------ router
+
+
+def request(model: str, route: str, status: int) -> None:
+    """A finished request (a stream counts once, when it ends) with the HTTP status it got."""
+    _counter("rayrunner_requests", "Requests, by route and HTTP status.", "route", "status").inc(
+        tags={"model": model, "route": route, "status": str(status)})
+
+
+# ------------------------------------------------------------ model replica
+
+
+def generation(model: str, event: Any) -> None:
+    """A finished choice's figures from its last `GenerationEvent`: time to first token (from arrival at the
+    replica, queueing included), mean inter-token latency, and tokens in and out."""
+    tags = {"model": model}
+    _histogram("rayrunner_time_to_first_token_seconds", "From arrival at the model replica to the first token.",
+               tuple(_LATENCY_S)).observe(event.prompt_time_s, tags=tags)
+    if event.completion_tokens > 1:
+        _histogram("rayrunner_inter_token_latency_seconds", "Mean seconds between a reply's tokens.",
+                   tuple(_LATENCY_S)).observe(event.completion_time_s / (event.completion_tokens - 1), tags=tags)
+    _counter("rayrunner_prompt_tokens", "Prompt tokens prefilled.").inc(event.prompt_tokens, tags=tags)
+    _counter("rayrunner_completion_tokens", "Tokens generated.").inc(event.completion_tokens, tags=tags)
+
+
+def sequences(model: str, running: int, queued: int) -> None:
+    _gauge("rayrunner_running_sequences", "Sequences in the model's running batch.").set(running, tags={"model": model})
+    _gauge("rayrunner_queued_requests", "Requests waiting for a slot in the batch.").set(queued, tags={"model": model})
