@@ -1,5 +1,6 @@
 """The `rayrunner` command against a real service over real HTTP: ps, lifecycle and admin commands, run, chat,
-errors, and the installed console script (one module-scoped service of tiny random Llamas)."""
+errors, API keys, and the installed console script (one module-scoped service of tiny random Llamas that asks
+for keys)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from rayrunner.cli.tables import COLUMNS, human_bytes
 from tests.conftest import Service, free_port, model_entry
 
 CONFIG = Path(__file__).parents[2] / "serve_config.yaml"
+ADMIN_KEY, USER_KEY = "sk-admin-cli", "sk-user-cli"  # the service asks for keys: the CLI must send them
 SCRIPT = Path(sys.executable).parent / "rayrunner"
 
 
@@ -33,8 +35,10 @@ def service(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Service]:
         ],
         "default_model": "alpha",
         "state_path": str(cluster["state_dir"] / "cli.json"),
+        "auth": {"api_keys": [USER_KEY], "admin_api_keys": [ADMIN_KEY]},
     }
     svc = Service(cluster, config)
+    svc.http.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
     deadline = time.monotonic() + 120
     while svc.card("alpha")["status"] != "loaded":  # the declared load runs in the background
         assert time.monotonic() < deadline, "alpha never loaded"
@@ -43,8 +47,10 @@ def service(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Service]:
     svc.close()
 
 
-def cli(service: Service, *args: str, stdin: str | None = None) -> Result:
-    return CliRunner().invoke(app, ["--url", service.url, *args], input=stdin)
+def cli(service: Service, *args: str, stdin: str | None = None, key: str | None = ADMIN_KEY) -> Result:
+    keyed = ["--api-key", key] if key else []
+    return CliRunner().invoke(app, ["--url", service.url, *keyed, *args], input=stdin,
+                              env={"RAYRUNNER_API_KEY": None, "RAYRUNNER_URL": None})
 
 
 def ok(service: Service, *args: str, stdin: str | None = None) -> str:
@@ -115,6 +121,14 @@ def test_errors_are_one_line_from_the_server(service: Service) -> None:
     assert failed(refused).startswith(f"cannot reach rayrunner at {url}: ")
 
 
+def test_the_api_key_is_sent_as_a_bearer_token(service: Service) -> None:
+    assert failed(cli(service, "ps", key=None)) == "a valid API key is required (Authorization: Bearer <key>)"
+    assert json.loads(ok(service, "ps", "--json"))  # an admin key reads, as does an inference key:
+    assert cli(service, "ps", key=USER_KEY).exit_code == 0
+    assert failed(cli(service, "unload", "b", key=USER_KEY)) == (
+        "this key may not use the admin API (it needs an admin key)")
+
+
 def test_run_prints_the_streamed_answer(service: Service) -> None:
     prompt = "What is the capital of France?"
     expected = chat_http(service, [{"role": "user", "content": prompt}], 8)["choices"][0]["message"]["content"]
@@ -159,7 +173,7 @@ def test_add_alias_default_remove_round_trip(service: Service, tiny_llama_dir: s
 
 
 def test_the_installed_console_script(service: Service) -> None:
-    env = {**os.environ, "RAYRUNNER_URL": service.url}
+    env = {**os.environ, "RAYRUNNER_URL": service.url, "RAYRUNNER_API_KEY": ADMIN_KEY}
 
     def script(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=120)
