@@ -14,6 +14,7 @@ import torch
 
 from rayrunner.architectures import check_arch
 from rayrunner.errors import InvalidSpecError, ModelLoadError, RayRunnerError
+from rayrunner.load_progress import LoadProgress, for_model
 from rayrunner.sources import ResolvedSource, resolve
 from rayrunner.spec import ModelSpec
 from rayrunner.which import GGUF
@@ -47,16 +48,17 @@ def pick_dtype(requested: str) -> torch.dtype:
     return _DTYPES.get(requested, torch.bfloat16)
 
 
-def resolve_which(spec: ModelSpec) -> tuple[ResolvedSource, str | None]:
+def resolve_which(spec: ModelSpec, progress: LoadProgress | None = None) -> tuple[ResolvedSource, str | None]:
     """The weights folder, plus the tokenizer location when it differs from the weights."""
     which = spec.which
     if isinstance(which, GGUF):
-        source = resolve(which.quantized_model_id, which.quantized_filename, which.revision, which.hf_cache_path)
+        source = resolve(which.quantized_model_id, which.quantized_filename, which.revision, which.hf_cache_path,
+                         progress)
         if source.gguf_file is None:
             raise InvalidSpecError("Which.GGUF needs `quantized_filename` or a path to a .gguf file")
-        tok = resolve(which.tok_model_id).path if which.tok_model_id else None
+        tok = resolve(which.tok_model_id, progress=progress).path if which.tok_model_id else None
         return source, tok
-    source = resolve(which.model_id, None, which.revision, which.hf_cache_path)
+    source = resolve(which.model_id, None, which.revision, which.hf_cache_path, progress)
     tok = getattr(which, "tokenizer_json", None)
     return source, tok
 
@@ -71,15 +73,19 @@ def load_config(source: ResolvedSource) -> Any:
 
 
 def load_model(spec: ModelSpec, auto_class: Any, with_processor: bool = False) -> Loaded:
-    """Load `spec` with `auto_class` (e.g. AutoModelForCausalLM); raise ModelLoadError with the cause."""
+    """Load `spec` with `auto_class` (e.g. AutoModelForCausalLM); raise ModelLoadError with the cause. Each phase
+    is reported as the model's load progress; the engine that called this reports `ready` once it has started."""
     from transformers import AutoProcessor, AutoTokenizer
 
     start = time.perf_counter()
-    source, tok_location = resolve_which(spec)
+    progress = for_model(spec.app_name, spec.model_id)
+    progress.phase("resolving")
+    source, tok_location = resolve_which(spec, progress)
     config = load_config(source)
     check_arch(getattr(spec.which, "arch", None), config.model_type)
     device = pick_device(spec.engine.device)
     dtype = pick_dtype(spec.which.dtype)
+    progress.phase("reading", device=device)
     try:
         # Weights are read into the replica's own memory rather than memory-mapped, so the memory a model uses
         # is accounted to its replica and really freed when the replica exits on unload.
@@ -97,7 +103,10 @@ def load_model(spec: ModelSpec, auto_class: Any, with_processor: bool = False) -
         raise
     except Exception as exc:
         raise ModelLoadError(f"{spec.model_id}: {type(exc).__name__}: {exc}") from None
+    if spec.in_situ_quant is not None:
+        progress.phase("quantizing", in_situ_quant=spec.in_situ_quant)
     quantization = _quantize(model, spec, device)
+    progress.phase("warming up")
     return Loaded(model, tokenizer, processor, device, str(dtype).removeprefix("torch."), quantization,
                   time.perf_counter() - start)
 

@@ -170,6 +170,11 @@ class Registry(CapacityMixin):
         host = self.state.host_of(model_id)
         if host is not None:  # a LoRA model lives and dies with its host's replica
             card.update(status=self.state.models[host].status, served_by=host)
+        serving = self.state.models[host or model_id]
+        if serving.status == "reloading":  # the phase its replica pushes while loading
+            from rayrunner import load_progress
+
+            card["load_progress"] = load_progress.read(serving.spec.app_name)
         return {**card, "model_id": model_id, "kind": record.spec.kind, "is_default": model_id == self.state.default_id,
                 "in_flight": self._in_flight.count(model_id, time.time())}
 
@@ -392,6 +397,9 @@ class Registry(CapacityMixin):
         # The app may never have been created; the record is already consistent either way.
         with contextlib.suppress(Exception):
             await model_apps.delete(record.spec.app_name)
+        from rayrunner import load_progress
+
+        load_progress.clear(record.spec.app_name)  # after the delete: a replica still loading wrote until then
 
     def _persist(self) -> None:
         self.state.save(self.path)

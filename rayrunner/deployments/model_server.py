@@ -20,6 +20,7 @@ from rayrunner.deployments.engine import Engine
 from rayrunner.deployments.engine_slot import EngineSlot
 from rayrunner.deployments.sampling import SamplingParams
 from rayrunner.errors import InvalidRequestError
+from rayrunner.load_progress import for_model
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields
 from rayrunner.spec import EngineSettings, ModelSpec
 
@@ -76,8 +77,14 @@ class ModelServer:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = ModelSpec.model_validate(spec)
         _set_torch_threads(self.spec.engine)
-        self.slot = EngineSlot(lambda: build_engine(self.spec))
+        self.slot = EngineSlot(self._build_engine)
         self.started_at = time.time()
+
+    def _build_engine(self) -> Engine:
+        """The engine, built at start and on every wake; the load progress it reported ends at `ready`."""
+        engine = build_engine(self.spec)
+        for_model(self.spec.app_name, self.spec.model_id).ready()
+        return engine
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         request = ChatCompletionRequest.model_validate(body)

@@ -38,6 +38,7 @@ def model_object(card: dict[str, Any]) -> dict[str, Any]:
         "in_flight": card["in_flight"],
         "unload_mode": card["unload_mode"] if card["status"] == "unloaded" else None,
         "held_bytes": info.get("process_rss_bytes") if card["status"] == "unloaded" else None,
+        "load_progress": card.get("load_progress"),  # while `reloading`: the phase the replica is in
     }
 
 
