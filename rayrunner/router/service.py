@@ -99,7 +99,8 @@ class RouterService:
         if target["kind"] not in kinds:
             wanted = "embeddings" if kinds == {"embedding"} else "generation"
             raise UnsupportedRequestError(
-                f"model `{target['model_id']}` is a {target['kind']} model and does not serve {wanted}",
+                f"model `{target['model_id']}` is {_article(target['kind'])} {target['kind']} model and does not "
+                f"serve {wanted}",
                 param="model",
             )
         return target
@@ -145,6 +146,10 @@ class RouterService:
             if operation in _MUTATIONS:  # even a failed one may have changed a status (e.g. a failed reload)
                 with contextlib.suppress(Exception):  # if the registry is unreachable, the follower catches up
                     await self.routes.refresh()
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
 
 
 def _serving_id(target: dict[str, Any]) -> str:
