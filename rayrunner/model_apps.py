@@ -122,7 +122,10 @@ async def wait_loaded(app: str, timeout_s: float) -> None:
         state = await asyncio.to_thread(app_state, app)
         if state.running >= 1 and state.deployment_status == "HEALTHY":
             return
-        if state.deployment_status in _FAILED or state.app_status in _FAILED:
+        # The app's status, not the deployment's: right after a deploy the deployment can still show the old
+        # version's status (UNHEALTHY after its replica's node died) until Serve's next control loop, while the
+        # app already says DEPLOYING; a new version that fails makes the app DEPLOY_FAILED too.
+        if state.app_status in _FAILED:
             raise ModelLoadError(_failure_message(state))
         if time.monotonic() > deadline:
             raise ModelTimeoutError(f"model app `{app}` did not start within {timeout_s:.0f} s")
