@@ -35,6 +35,7 @@ DOCUMENTED: dict[int, set[str] | None] = {
 STREAM_ERROR_CODES = {"model_unavailable", "model_not_found", "capacity_exhausted", "server_overloaded"}
 ERROR_KEYS = {"message", "type", "param", "code"}
 KINDS = ("chat", "chat_stream", "completion", "embedding")
+OPS_IN_FLIGHT = 3
 OPERATIONS = ("unload", "add", "reload", "default", "remove", "unload", "reload", "default")  # each kind in 5
 
 
@@ -137,9 +138,9 @@ class Storm:
             time.sleep(0.5)
         self._stop.set()
         for thread in threads:
-            thread.join(self.timeout + 30)
+            thread.join(self.timeout + 120)  # a request's time, and the driver's last operations' (a remove retries)
             if thread.is_alive():
-                self.tally.problems.append(f"{thread.name} still running {self.timeout + 30:.0f} s after the end")
+                self.tally.problems.append(f"{thread.name} still running {self.timeout + 120:.0f} s after the end")
         self.elapsed_s = time.monotonic() - started
         return self.tally
 
@@ -186,18 +187,31 @@ class Storm:
     # ------------------------------------------------------------ lifecycle driver
 
     def _driver(self) -> None:
+        """An operation every `op_interval_s`, each in its own thread (a load can take longer than the interval),
+        so up to OPS_IN_FLIGHT of them race each other as well as the clients."""
         rng = random.Random(self.seed)
+        running: list[threading.Thread] = []
+        while not self._stop.wait(self.op_interval_s):
+            running = [op for op in running if op.is_alive()]
+            if len(running) >= OPS_IN_FLIGHT:
+                continue
+            operation = OPERATIONS[self._steps % len(OPERATIONS)]
+            self._steps += 1
+            op = threading.Thread(target=self._operation, args=(operation, random.Random(rng.random())), daemon=True)
+            op.start()
+            running.append(op)
+        for op in running:
+            op.join(self.timeout + 60)
+
+    def _operation(self, operation: str, rng: random.Random) -> None:
         with httpx.Client(base_url=self.url, timeout=self.timeout) as http:
-            while not self._stop.wait(self.op_interval_s):
-                operation = OPERATIONS[self._steps % len(OPERATIONS)]
-                self._steps += 1
-                try:
-                    response = self._operate(http, operation, rng)
-                except httpx.HTTPError as exc:
-                    self.tally.record(self.tally.operations, f"{operation} {type(exc).__name__}", repr(exc))
-                    continue
-                label, problem = _classify(operation, response.status_code, response.text, "")
-                self.tally.record(self.tally.operations, label, problem)
+            try:
+                response = self._operate(http, operation, rng)
+            except httpx.HTTPError as exc:
+                self.tally.record(self.tally.operations, f"{operation} {type(exc).__name__}", repr(exc))
+                return
+        label, problem = _classify(operation, response.status_code, response.text, "")
+        self.tally.record(self.tally.operations, label, problem)
 
     def _operate(self, http: httpx.Client, operation: str, rng: random.Random) -> httpx.Response:
         models = self.models
