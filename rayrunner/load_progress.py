@@ -136,7 +136,8 @@ def describe(phase: str, detail: dict[str, Any]) -> str:
 class DownloadBytes(tqdm):
     """huggingface_hub's progress bars, silenced, with the bytes of every byte-counting bar of one download
     reported to `progress`. huggingface_hub may keep two byte bars of the same files (bytes received, bytes
-    written), so the furthest one counts, never their sum. Subclasses bind `progress` (`LoadProgress.tqdm_class`)."""
+    written), so the furthest one counts, never their sum; a bar's total grows as each file starts downloading.
+    Subclasses bind `progress` and their own list of bars (`LoadProgress.tqdm_class`)."""
 
     progress: ClassVar[LoadProgress]
     byte_bars: ClassVar[list[DownloadBytes]]

@@ -3,10 +3,11 @@ and the download bytes that huggingface_hub's progress bars report through `Load
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import http.server
-import io
+import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from rayrunner import load_progress
+from rayrunner import load_progress, sources
 from rayrunner.load_progress import PHASES, LoadProgress
 
 
@@ -128,32 +129,82 @@ def test_download_bytes_count_the_furthest_byte_bar_and_ignore_file_counts() -> 
     assert recorder.tqdm_class().byte_bars == []  # every download starts from zero
 
 
-@pytest.fixture
-def file_server(tmp_path: Path) -> Iterator[str]:
-    handler = functools.partial(_QuietHandler, directory=str(tmp_path))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
+SHA = "a" * 40
+HUB_FILES = {"config.json": b'{"model_type": "llama"}', "model.safetensors": bytes(25_000_000),
+             "tokenizer.json": bytes(3_000_000), "model.gguf": bytes(2_000_000)}
 
 
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+class FakeHub(http.server.BaseHTTPRequestHandler):
+    """The few Hugging Face hub endpoints snapshot_download calls for the repo `org/repo` (model info, file tree,
+    and each file), so its real download path runs here without a network."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self._answer(send_body=True)
+
+    def do_HEAD(self) -> None:
+        self._answer(send_body=False)
+
+    def _answer(self, send_body: bool) -> None:
+        path = self.path.split("?")[0]
+        file = re.fullmatch(r"/org/repo/resolve/\w+/(.+)", path)
+        if re.fullmatch(r"/api/models/org/repo(/revision/\w+)?", path):
+            body = json.dumps({"id": "org/repo", "sha": SHA, "siblings": [{"rfilename": f} for f in HUB_FILES]})
+            self._send(200, body.encode(), {"Content-Type": "application/json"}, send_body)
+        elif re.fullmatch(r"/api/models/org/repo/tree/\w+", path):
+            tree = [{"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                    for name, data in HUB_FILES.items()]
+            self._send(200, json.dumps(tree).encode(), {"Content-Type": "application/json"}, send_body)
+        elif file and file.group(1) in HUB_FILES:
+            data = HUB_FILES[file.group(1)]
+            etag = f'"{hashlib.sha1(data).hexdigest()}"'
+            self._send(200, data, {"X-Repo-Commit": SHA, "ETag": etag}, send_body)
+        else:
+            self._send(404, b"{}", {}, send_body)
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str], send_body: bool) -> None:
+        self.send_response(status)
+        for name, value in {**headers, "Content-Length": str(len(body))}.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if send_body:
+            self.wfile.write(body)
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
-def test_huggingface_hubs_own_download_reports_its_bytes(
-    file_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """huggingface_hub's file download (what hf_hub_download and snapshot_download run for each file), from a
-    local HTTP server, with the bar class it is given."""
+@pytest.fixture
+def fake_hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     from huggingface_hub import constants
-    from huggingface_hub.file_download import http_get
 
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the server is local
-    size = 3_000_000
-    (tmp_path / "weights.bin").write_bytes(bytes(size))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the hub is local
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+    yield url
+    server.shutdown()
+
+
+def test_a_hub_download_reports_its_bytes(fake_hub: str, tmp_path: Path) -> None:
+    """`resolve` of a hub id runs huggingface_hub's snapshot_download with the reporter's bar class: its bytes go
+    up to the size of every file (a total grows as each file starts)."""
     recorder = Recorder()
-    http_get(f"{file_server}/weights.bin", io.BytesIO(), expected_size=size, tqdm_class=recorder.tqdm_class())
-    assert recorder.updates and recorder.updates[-1] == {"phase": "downloading", "bytes_done": size,
-                                                        "bytes_total": size}
+    source = sources.resolve("org/repo", hf_cache_path=str(tmp_path), progress=recorder)
+    fetched = sorted(p.name for p in Path(source.path).iterdir())
+    assert fetched == ["config.json", "model.safetensors", "tokenizer.json"]  # no .gguf: not in _HUB_PATTERNS
+    size = sum(len(HUB_FILES[name]) for name in fetched)
+    assert recorder.updates[-1] == {"phase": "downloading", "bytes_done": size, "bytes_total": size}
+    done = [update["bytes_done"] for update in recorder.updates]
+    assert done == sorted(done) and all(u["bytes_done"] <= u["bytes_total"] for u in recorder.updates)
+
+
+def test_a_hub_gguf_download_reports_its_bytes(fake_hub: str, tmp_path: Path) -> None:
+    recorder = Recorder()
+    source = sources.resolve("org/repo", "model.gguf", hf_cache_path=str(tmp_path), progress=recorder)
+    assert source.gguf_file == "model.gguf"
+    size = len(HUB_FILES["model.gguf"])
+    assert recorder.updates[-1] == {"phase": "downloading", "bytes_done": size, "bytes_total": size}
