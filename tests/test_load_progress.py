@@ -208,3 +208,23 @@ def test_a_hub_gguf_download_reports_its_bytes(fake_hub: str, tmp_path: Path) ->
     assert source.gguf_file == "model.gguf"
     size = len(HUB_FILES["model.gguf"])
     assert recorder.updates[-1] == {"phase": "downloading", "bytes_done": size, "bytes_total": size}
+
+
+def test_converting_the_builtin_gguf_is_reported_while_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The conversion itself (~17 s of transformers work) is replaced: only when the phase is reported matters."""
+    recorder = Recorder()
+    phases_during: list[str] = []
+
+    def convert(folder: Path, filename: str, target: Path) -> None:
+        phases_during.extend(update["phase"] for update in recorder.updates)
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+
+    monkeypatch.setenv("RAYRUNNER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sources, "_convert_gguf", convert)
+    sources.resolve(sources.SMOLLM2, progress=recorder)
+    assert phases_during == ["converting"]
+    sources.resolve(sources.SMOLLM2, progress=recorder)  # converted once: nothing more to report
+    assert [update["phase"] for update in recorder.updates] == ["converting"]
