@@ -18,7 +18,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, ValidationInfo, field
 from pydantic_core import PydanticCustomError
 
 from rayrunner.errors import client_error
-from rayrunner.protocol import DEFAULT_MODEL
+from rayrunner.protocol import DEFAULT_MODEL, KeepAliveField
 
 
 def _new_id(prefix: str) -> str:
@@ -117,6 +117,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = Field(None, description="`format`: `text`, `json_object` or `json_schema`.")
     max_output_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    keep_alive: KeepAliveField = None
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 or unset means greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
@@ -160,7 +161,7 @@ def to_chat_request(request: ResponsesRequest) -> dict[str, Any]:
         "stream": request.stream, "stream_options": {"include_usage": True} if request.stream else None,
         "tools": [_chat_tool(tool) for tool in request.tools] if request.tools else None,
         "tool_choice": _chat_tool_choice(request.tool_choice), "parallel_tool_calls": request.parallel_tool_calls,
-        "response_format": _chat_format(request.text),
+        "response_format": _chat_format(request.text), "keep_alive": request.keep_alive,
     }
     return {key: value for key, value in chat.items() if value is not None}
 

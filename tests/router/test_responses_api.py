@@ -277,3 +277,10 @@ async def test_frames_are_sse_with_event_names() -> None:
     frames = [frame async for frame in event_frames(two())]
     assert frames[0] == 'event: response.created\ndata: {"type": "response.created", "sequence_number": 0}\n\n'
     assert frames[1].startswith("event: error\ndata: ") and json.loads(frames[1].split("data: ")[1])["type"] == "error"
+
+
+def test_keep_alive_reaches_the_chat_request() -> None:
+    chat = to_chat_request(parsed(ResponsesRequest, {"model": "m", "input": "hi", "keep_alive": "5m"}))
+    assert chat["keep_alive"] == "5m"
+    assert parsed(ChatCompletionRequest, chat).keep_alive == "5m"
+    assert "keep_alive" not in to_chat_request(parsed(ResponsesRequest, {"model": "m", "input": "hi"}))
