@@ -15,8 +15,9 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from rayrunner import metrics
 from rayrunner.deployments import responses
-from rayrunner.deployments.engine import Engine
+from rayrunner.deployments.engine import Engine, GenerationEvent
 from rayrunner.deployments.engine_slot import EngineSlot
 from rayrunner.deployments.sampling import SamplingParams
 from rayrunner.errors import InvalidRequestError
@@ -91,7 +92,7 @@ class ModelServer:
         async with self.slot.use() as engine:
             tools = engine.tool_replies(request)
             adapter = await _request_adapter(engine, body)
-            events = engine.chat(request, sampling_params(request, self.spec.engine), adapter)
+            events = self._measured(engine.chat(request, sampling_params(request, self.spec.engine), adapter))
             return (await responses.chat_response(adapter or self.spec.model_id, events, request, tools)).model_dump()
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -99,7 +100,7 @@ class ModelServer:
         async with self.slot.use() as engine:
             tools = engine.tool_replies(request)
             adapter = await _request_adapter(engine, body)
-            events = engine.chat(request, sampling_params(request, self.spec.engine), adapter)
+            events = self._measured(engine.chat(request, sampling_params(request, self.spec.engine), adapter))
             async for chunk in responses.chat_chunks(adapter or self.spec.model_id, events, request, tools):
                 yield chunk.model_dump(exclude_none=True)
 
@@ -107,16 +108,23 @@ class ModelServer:
         request = CompletionRequest.model_validate(body)
         async with self.slot.use() as engine:
             adapter = await _request_adapter(engine, body)
-            events = engine.complete(request, sampling_params(request, self.spec.engine), adapter)
+            events = self._measured(engine.complete(request, sampling_params(request, self.spec.engine), adapter))
             return (await responses.completion_response(adapter or self.spec.model_id, events, request)).model_dump()
 
     async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         request = CompletionRequest.model_validate(body)
         async with self.slot.use() as engine:
             adapter = await _request_adapter(engine, body)
-            events = engine.complete(request, sampling_params(request, self.spec.engine), adapter)
+            events = self._measured(engine.complete(request, sampling_params(request, self.spec.engine), adapter))
             async for chunk in responses.completion_chunks(adapter or self.spec.model_id, events, request):
                 yield chunk.model_dump(exclude_none=True)
+
+    async def _measured(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
+        """The engine's events, each finished choice's figures recorded (`rayrunner.metrics.generation`)."""
+        async for event in events:
+            if event.finish_reason is not None:
+                metrics.generation(self.spec.model_id, event)
+            yield event
 
     async def embed(self, body: dict[str, Any]) -> dict[str, Any]:
         request = EmbeddingRequest.model_validate(body)
