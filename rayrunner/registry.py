@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import ray
 
-from rayrunner import model_apps
+from rayrunner import metrics, model_apps
 from rayrunner.capacity import InFlightBook
 from rayrunner.errors import (
     ModelAlreadyLoadedError,
@@ -37,7 +37,9 @@ from rayrunner.errors import (
     ModelNotFoundError,
     ModelReloadingError,
     ModelRemovingError,
+    UnplaceableModelError,
     as_rayrunner_error,
+    unwrap,
 )
 from rayrunner.registry_capacity import CapacityMixin
 from rayrunner.registry_state import ModelEntry, ModelRecord, RegistryConfig, RegistryState, UnloadMode
@@ -82,7 +84,9 @@ class Registry(CapacityMixin):
         self._persist()
         declared = {entry.spec.model_id: entry for entry in self.config.models}
         await self._ensure_reconciled()  # starts the idle timer; the reconcile below settles every model
-        await self._reconcile({mid for mid in changes.added if declared[mid].load}, set(changes.respecified))
+        # a LoRA model served by its host's replica loads by loading that host
+        to_load = {self.state.serving(mid).spec.model_id for mid in changes.added if declared[mid].load}
+        await self._reconcile(to_load, set(changes.respecified))
         return changes.log
 
     async def _ensure_reconciled(self) -> None:
@@ -259,6 +263,7 @@ class Registry(CapacityMixin):
                     raise ModelReloadingError(model_id)
                 await model_apps.delete(record.spec.app_name)
                 self.state.remove(model_id)
+                metrics.model_status(model_id, "removed")  # every status gauge of the model to 0
                 self._persist()
         finally:
             self._removing.discard(model_id)
@@ -333,6 +338,9 @@ class Registry(CapacityMixin):
                 await self._footprint(record)
             except Exception as exc:
                 await self._fail_load(record, exc)
+                refused = unwrap(exc)
+                if isinstance(refused, UnplaceableModelError):  # no node can hold it: a 400, not a load failure
+                    raise refused from None
                 raise ModelLoadError(record.last_error or str(exc)) from None
             record.status = "loaded"
             record.loaded_at = time.time()
@@ -342,6 +350,7 @@ class Registry(CapacityMixin):
             record.unload_mode = None
             record.load_count += 1
             self._persist()
+            metrics.model_loaded(spec.model_id, record.load_seconds, record.info.get("weight_bytes"))
 
     async def _room_or_unloaded(self, record: ModelRecord) -> None:
         """Make room for the load; when there is none (too large, or no room in time) the model goes back to
@@ -372,6 +381,7 @@ class Registry(CapacityMixin):
         record.unloaded_reason = reason
         record.unload_mode = mode
         record.request_keep_alive = None
+        metrics.model_unloaded(record.spec.model_id, reason, mode)
         self._persist()
 
     async def _scale_down(self, record: ModelRecord, reason: str) -> None:
@@ -390,6 +400,7 @@ class Registry(CapacityMixin):
     async def _fail_load(self, record: ModelRecord, exc: BaseException) -> None:
         """Never leave a model stuck: back to `unloaded`, the cause in `last_error`, no half-started app."""
         error = as_rayrunner_error(exc)
+        metrics.model_load_failed(record.spec.model_id)
         record.status = "unloaded"
         record.last_error = ModelLoadError(error.message).message
         record.info = {}
@@ -403,6 +414,8 @@ class Registry(CapacityMixin):
 
     def _persist(self) -> None:
         self.state.save(self.path)
+        for model_id, record in self.state.models.items():
+            metrics.model_status(model_id, record.status)
         self._changes += 1
         self._changed.set()  # wakes every routing_table long poll; later polls wait on a fresh event
         self._changed = asyncio.Event()
@@ -456,5 +469,6 @@ def get_registry(app_name: str = DEFAULT_APP, state_path: str | None = None) -> 
         max_restarts=-1,
         max_task_retries=0,
         num_cpus=0,
+        resources={"node:__internal_head__": 0.001},  # the head outlives every worker, and holds a local state file
         max_concurrency=1000,
     ).remote(state_path or default_state_path(app_name))

@@ -3,6 +3,7 @@ adapter, requests for base and adapter interleave without a reload, and it loads
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,7 +34,9 @@ def adapter(tmp_path_factory: pytest.TempPathFactory) -> str:
 def service(cluster: dict[str, Any], adapter: str) -> Iterator[Service]:
     lora = {"spec": {"model_id": "smol-lora", "which": {"type": "lora", "model_id": SMOLLM2, "adapter": adapter}},
             "aliases": [], "load": True}
-    config = {"models": [model_entry("smol", SMOLLM2), lora], "state_path": str(cluster["state_dir"] / "lora.json")}
+    # the base is `load: false`: the LoRA model's `load: true` loads it (its replica serves the adapter)
+    config = {"models": [model_entry("smol", SMOLLM2, load=False), lora],
+              "state_path": str(cluster["state_dir"] / "lora.json")}
     svc = Service(cluster, config)
     yield svc
     svc.close()
@@ -47,6 +50,13 @@ def answer(service: Service, model: str) -> dict[str, Any]:
 
 def pid(service: Service) -> int:
     return int(service.handle.model_card.remote("smol").result()["info"]["pid"])
+
+
+def test_a_lora_model_to_load_loads_its_host(service: Service) -> None:
+    deadline = time.monotonic() + 300
+    while service.handle.model_card.remote("smol").result()["status"] != "loaded":  # no request needed
+        assert time.monotonic() < deadline, "the host of a `load: true` LoRA model never loaded"
+        time.sleep(0.5)
 
 
 def test_the_lora_model_is_served_by_its_bases_replica(service: Service) -> None:
