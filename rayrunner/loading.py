@@ -36,11 +36,20 @@ class Loaded:
 
 
 def pick_device(requested: str) -> str:
+    """`auto`: CUDA only when this process was given a GPU. Ray no longer hides a node's GPUs from an actor that
+    reserved none, so a CPU replica on a GPU node would otherwise take a GPU another replica reserved."""
     if requested == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("device `cuda` was requested but this replica has no GPU (set engine.num_gpus)")
     if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if torch.cuda.is_available() and _assigned_gpus() else "cpu"
     return requested
+
+
+def _assigned_gpus() -> bool:
+    """Whether Ray assigned this worker GPUs (True outside Ray: a plain process may use what it sees)."""
+    import ray
+
+    return not ray.is_initialized() or bool(ray.get_gpu_ids())
 
 
 def pick_dtype(requested: str) -> torch.dtype:
