@@ -99,8 +99,8 @@ class Registry(CapacityMixin):
         """Make each status match Serve: adopt running apps, wait for starting ones, load new `load: true` ones,
         and redeploy a running model whose spec the config changed unless the config itself deployed it so.
 
-        Models known from an earlier run keep the status the user left them in (an unloaded model stays
-        unloaded across router redeploys)."""
+        Models known from an earlier run keep the status they had: an unloaded model stays unloaded across router
+        redeploys, and a loaded one whose app is gone (the whole service was stopped) loads again."""
         self._reconciled = True
         for model_id, record in self.state.models.items():
             if model_id in self._loads:
@@ -120,7 +120,7 @@ class Registry(CapacityMixin):
                 record.status = "loaded"
             elif starting:
                 self._start_load(record, mode="adopt")  # a config deploy or a scale-up is under way
-            elif model_id in to_load:
+            elif model_id in to_load or record.status in ("loaded", "reloading"):
                 self._start_load(record)
             else:
                 record.status = "unloaded"

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve import Application
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rayrunner import metrics
 from rayrunner.errors import InvalidRequestError, RayRunnerError, client_error
@@ -62,9 +63,21 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     return error_response(_invalid(exc.errors()))
 
 
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's and Starlette's own refusals (an unknown route, a wrong method, a body that is not UTF-8) in the
+    OpenAI shape, with their status."""
+    error = InvalidRequestError(_HTTP_MESSAGES.get(exc.status_code, str(exc.detail)))
+    return JSONResponse(error.to_dict(), status_code=exc.status_code, headers=exc.headers)
+
+
+_HTTP_MESSAGES = {400: "the request body could not be read (it must be UTF-8 JSON)", 404: "no such route",
+                  405: "this route does not take that HTTP method"}
+
+
 def add_error_handlers(app: FastAPI) -> None:
     """Every failure as an OpenAI error body; an invalid body is a 400 (never FastAPI's 422 shape)."""
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(RayRunnerError, _error)
     app.add_exception_handler(Exception, _error)  # the rest: a 500 without internals
 
@@ -83,7 +96,7 @@ def _invalid(errors: Any) -> InvalidRequestError:
     # pydantic names the member of a union it tried (`str`, `list[...]`, `tagged-union[...]`): not the client's business
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and "[" not in str(p) and p not in _UNION_MEMBERS]
     message = str(first["msg"]).removeprefix("Value error, ")
-    if first["type"] in ("model_attributes_type", "model_type", "dict_type"):
+    if first["type"] in ("model_attributes_type", "model_type", "dict_type") and not loc:
         return InvalidRequestError(f"the request body must be a JSON object, sent as application/json ({message})")
     if not loc:  # a check across fields
         return InvalidRequestError(message)

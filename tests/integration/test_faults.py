@@ -195,8 +195,6 @@ def test_whole_service_stopped_and_deployed_again(service: Service, cluster: dic
         restarted.http.close()
 
 
-@pytest.mark.xfail(strict=True, reason="registry._reconcile marks every model whose app is gone `unloaded`, so "
-                   "models loaded before the service was stopped are not loaded again when it is deployed again")
 @pytest.mark.parametrize("registry", ["kept", "killed"])
 def test_loaded_models_are_loaded_again_after_the_redeploy(registry: str) -> None:
     before, after = RESTARTS[registry]  # recorded by the test above, before any request could reload a model
