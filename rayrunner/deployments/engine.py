@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rayrunner.deployments.sampling import SamplingParams
-from rayrunner.errors import UnsupportedRequestError
+from rayrunner.errors import InvalidRequestError, UnsupportedRequestError
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
@@ -127,3 +127,15 @@ class Engine(ABC):  # noqa: B024 - every method has a default that refuses the r
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the engine holds (threads, GPU memory). Weights go with the replica process."""
+
+
+def bounded_max_tokens(prompt_tokens: int, max_tokens: int, context: int) -> int:
+    """`max_tokens` within the model's context: a prompt that fills it, or a `max_tokens` larger than the whole
+    context (it can never be honoured), is a 400; otherwise the reply is cut where the context ends (`length`)."""
+    if prompt_tokens >= context:
+        raise InvalidRequestError(f"the prompt has {prompt_tokens} tokens (images included); this model's context "
+                                  f"is {context}", param="messages")
+    if max_tokens > context:
+        raise InvalidRequestError(f"max_tokens is {max_tokens}; this model's context is {context} tokens, prompt "
+                                  "included", param="max_tokens")
+    return min(max_tokens, context - prompt_tokens)

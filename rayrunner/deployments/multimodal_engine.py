@@ -17,12 +17,11 @@ from transformers import AutoModelForImageTextToText
 from rayrunner.deployments.compute_thread import ComputeThread, run_single_threaded
 from rayrunner.deployments.constrained import Grammars
 from rayrunner.deployments.detokenizer import Detokenizer
-from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, describe
+from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, bounded_max_tokens, describe
 from rayrunner.deployments.images import load_images
 from rayrunner.deployments.sampling import SamplingParams
 from rayrunner.deployments.scheduler import StepScheduler, scheduler_limits
 from rayrunner.deployments.sequence import stop_ids
-from rayrunner.errors import InvalidRequestError
 from rayrunner.loading import load_model
 from rayrunner.protocol import ChatCompletionRequest, ChatMessage, ImagePart
 from rayrunner.spec import ModelSpec
@@ -99,14 +98,7 @@ class MultimodalEngine(Engine):
 
     def _max_new_tokens(self, prompt_tokens: int, params: SamplingParams) -> int:
         limit = self.spec.engine.max_seq_len
-        if limit is None:
-            return params.max_tokens
-        if prompt_tokens >= limit:
-            raise InvalidRequestError(
-                f"the prompt is {prompt_tokens} tokens (images included); this model's limit is {limit}",
-                param="messages",
-            )
-        return min(params.max_tokens, limit - prompt_tokens)
+        return params.max_tokens if limit is None else bounded_max_tokens(prompt_tokens, params.max_tokens, limit)
 
     def check_health(self) -> None:
         self.scheduler.check_health()

@@ -15,7 +15,7 @@ from rayrunner.deployments.chat_prompt import chat_template_text, render_chat
 from rayrunner.deployments.compute_thread import ComputeThread
 from rayrunner.deployments.constrained import Grammars
 from rayrunner.deployments.detokenizer import Detokenizer
-from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, describe
+from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, bounded_max_tokens, describe
 from rayrunner.deployments.lora import LoraAdapters, adapter_folder
 from rayrunner.deployments.sampling import LogitsProcessor, SamplingParams
 from rayrunner.deployments.scheduler import StepScheduler, scheduler_limits
@@ -106,12 +106,7 @@ class TextEngine(Engine):
             self.adapters.check(adapter)
         if not ids:  # an empty completion prompt: nothing to condition on, and a forward pass of no tokens fails
             raise InvalidRequestError("prompt: the prompt is empty (no tokens)", param="prompt")
-        room = self.max_seq_len - len(ids)
-        if room < 1:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens; this model's limit is {self.max_seq_len}", param="messages"
-            )
-        params.max_tokens = min(params.max_tokens, room)
+        params.max_tokens = bounded_max_tokens(len(ids), params.max_tokens, self.max_seq_len)
         return self.scheduler.generate(ids, params, Detokenizer(self.tokenizer, params.stop), self.eos_ids,
                                        adapter=adapter)
 

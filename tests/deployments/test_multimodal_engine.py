@@ -113,9 +113,9 @@ async def test_seeded_sampling_is_reproducible(engine: MultimodalEngine) -> None
 async def test_max_seq_len_caps_and_refuses(model_dir: str, engine: MultimodalEngine) -> None:
     prompt_tokens = (await _run(engine, _ask("Hi", RED), max_tokens=1))[-1].prompt_tokens
     capped = _engine(model_dir, max_seq_len=prompt_tokens + 3)
-    events = await _run(capped, _ask("Hi", RED), max_tokens=50)
+    events = await _run(capped, _ask("Hi", RED), max_tokens=4)
     assert events[-1].completion_tokens == 3 and events[-1].finish_reason == "length"
-    with pytest.raises(InvalidRequestError, match="limit is"):
+    with pytest.raises(InvalidRequestError, match="context is"):
         await _run(_engine(model_dir, max_seq_len=prompt_tokens), _ask("Hi", RED))
 
 

@@ -88,6 +88,7 @@ def test_an_edited_config_wins_for_what_it_declares_and_runtime_changes_stay(clu
 
 def test_without_a_model_of_its_kind_left_there_is_no_default(cluster: dict[str, Any], base: dict[str, Any]) -> None:
     service = Service(cluster, base)
+    wait_loaded(service, "m1")  # loaded before this router started: it loads again (a remove meanwhile is a 409)
     for model in ("m1", "m2", "extra"):
         assert service.http.post("/v1/models/remove", json={"model_id": model}).status_code == 200
     response = service.chat("hi")
