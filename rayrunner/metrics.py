@@ -92,8 +92,10 @@ def generation(model: str, event: Any) -> None:
     if event.completion_tokens > 1:
         _histogram("rayrunner_inter_token_latency_seconds", "Mean seconds between a reply's tokens.",
                    tuple(_LATENCY_S)).observe(event.completion_time_s / (event.completion_tokens - 1), tags=tags)
-    _counter("rayrunner_prompt_tokens", "Prompt tokens prefilled.").inc(event.prompt_tokens, tags=tags)
-    _counter("rayrunner_completion_tokens", "Tokens generated.").inc(event.completion_tokens, tags=tags)
+    for name, description, count in (("rayrunner_prompt_tokens", "Prompt tokens prefilled.", event.prompt_tokens),
+                                     ("rayrunner_completion_tokens", "Tokens generated.", event.completion_tokens)):
+        if count > 0:  # Ray's counters refuse 0 (`echo` with max_tokens 0 generates none)
+            _counter(name, description).inc(count, tags=tags)
 
 
 def sequences(model: str, running: int, queued: int) -> None:
