@@ -35,6 +35,21 @@ def memory(model: dict[str, Any]) -> str:
     return human_bytes(model.get("held_bytes")) if _sleeping(model) else NONE
 
 
+def status(model: dict[str, Any]) -> str:
+    """The status, with what a loading model is doing ("reloading (quantizing)", "reloading (downloading
+    1.2 GiB/3.4 GiB)") and whether an unloaded one sleeps."""
+    if _sleeping(model):
+        return "unloaded (sleeping)"
+    progress = model.get("load_progress")
+    if model["status"] != "reloading" or not progress:
+        return str(model["status"])
+    detail = progress.get("detail") or {}
+    if "bytes_done" in detail:
+        done, total = human_bytes(detail["bytes_done"]), human_bytes(detail.get("bytes_total"))
+        return f"reloading ({progress['phase']} {done}/{total})"
+    return f"reloading ({progress['phase']})"
+
+
 def _short(text: str | None) -> str:
     if not text:
         return NONE
@@ -44,10 +59,9 @@ def _short(text: str | None) -> str:
 
 def row(model: dict[str, Any]) -> list[str]:
     """The cells of one model's row, in COLUMNS order."""
-    status = "unloaded (sleeping)" if _sleeping(model) else model["status"]
     return [
         model["id"],
-        status,
+        status(model),
         model.get("kind") or NONE,
         ", ".join(model.get("aliases") or []) or NONE,
         "*" if model.get("is_default") else "",

@@ -38,3 +38,13 @@ def test_default_aliases_quantization_and_a_long_error() -> None:
     assert (found["DEFAULT"], found["ALIASES"], found["QUANT"], found["IN FLIGHT"]) == ("*", "a, b", "Q4K", "3")
     assert found["LAST ERROR"] == "x" * 77 + "..."
     assert cells(model())["DEFAULT"] == "" and cells(model())["ALIASES"] == "-"
+
+
+def test_a_loading_model_shows_its_phase() -> None:
+    quantizing = {"phase": "quantizing", "detail": {"in_situ_quant": "Q8_0"}, "since": 0.0}
+    assert cells(model(status="reloading", load_progress=quantizing))["STATUS"] == "reloading (quantizing)"
+    downloading = {"phase": "downloading", "detail": {"bytes_done": 3 * 1024**2, "bytes_total": 12 * 1024**2},
+                   "since": 0.0}
+    assert cells(model(status="reloading", load_progress=downloading))["STATUS"] == \
+        "reloading (downloading 3.0 MiB/12.0 MiB)"
+    assert cells(model(status="reloading", load_progress=None))["STATUS"] == "reloading"  # its replica not started
