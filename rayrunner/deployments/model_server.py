@@ -15,7 +15,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from rayrunner import metrics
+from rayrunner import logs, metrics
 from rayrunner.deployments import responses
 from rayrunner.deployments.engine import Engine, GenerationEvent
 from rayrunner.deployments.engine_slot import EngineSlot
@@ -76,6 +76,7 @@ class ModelServer:
     """Serve replica class: constructed with a spec dict, holds the engine for the replica's lifetime."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
+        logs.to_replica_log()
         self.spec = ModelSpec.model_validate(spec)
         _set_torch_threads(self.spec.engine)
         self.slot = EngineSlot(self._build_engine)

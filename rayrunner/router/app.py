@@ -19,7 +19,7 @@ from ray import serve
 from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rayrunner import metrics
+from rayrunner import logs, metrics
 from rayrunner.errors import InvalidRequestError, RayRunnerError, client_error
 from rayrunner.protocol import (
     AddModelBody,
@@ -149,6 +149,7 @@ class Router:
     async def __init__(self, config: dict[str, Any]) -> None:  # type: ignore[misc]  # Serve awaits it
         """Bootstrap the registry at deploy time: a bad config fails the deploy (DEPLOY_FAILED, with the reason),
         and `load: true` models start loading before any request."""
+        logs.to_replica_log()
         app_name = serve.get_replica_context().app_name
         self.service = RouterService(RegistryConfig.model_validate(config), app_name)
         Gate.configure(self.service.config.auth, self.service.config.limits)

@@ -4,6 +4,7 @@ request or a reload wakes the same process; a sleeping model can still be stoppe
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -61,3 +62,15 @@ def test_reload_wakes_and_stop_ends_a_sleeping_model(service: Service) -> None:
 def test_bad_mode_is_a_400(service: Service) -> None:
     answer = unload(service, "hibernate")
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "mode"
+
+
+def test_the_wake_up_is_in_the_replica_log(service: Service) -> None:
+    """rayrunner's own INFO lines land in the replica's Serve log (Serve writes only `ray.serve` there by itself)."""
+    import ray
+
+    assert service.chat("hi", model="napper", max_tokens=2).status_code == 200  # loaded (a stopped model reloads)
+    assert unload(service, "sleep").status_code == 200
+    assert service.chat("hi", model="napper", max_tokens=2).status_code == 200  # wakes it
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    text = "".join(path.read_text() for path in logs.glob("replica_napper_*.log"))
+    assert "woke up in" in text
