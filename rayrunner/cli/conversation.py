@@ -46,6 +46,11 @@ class Conversation:
         messages = [{"role": "system", "content": system}] if system else []
         return cls(api, model, sampling, verbose, messages)
 
+    def cancel_turn(self) -> None:
+        """Forget the last user turn whose answer was cancelled (the next turn is sent without it)."""
+        if self.messages and self.messages[-1]["role"] == "user":
+            self.messages.pop()
+
     def ask(self, text: str) -> str:
         """Send a user turn, print the answer as it streams, keep both in the history and return the answer."""
         self.messages.append({"role": "user", "content": text})
@@ -101,15 +106,21 @@ def _read_turn(stdin: TextIO, interactive: bool) -> str | None:
 
 
 def chat_loop(conversation: Conversation, stdin: TextIO | None = None) -> None:
-    """Read turns from stdin (with a prompt on a terminal) until EOF or `/exit`, answering each one."""
+    """Read turns from stdin (with a prompt on a terminal) until EOF or `/exit`, answering each one; Ctrl-C during
+    an answer cancels that answer only."""
     stdin = stdin or sys.stdin
     interactive = stdin.isatty()
     if interactive:
         with contextlib.suppress(ImportError):  # line editing and history for input(), where the platform has it
             import readline  # noqa: F401
     while (text := _read_turn(stdin, interactive)) is not None:
-        if text:
+        if not text:
+            continue
+        try:
             conversation.ask(text)
+        except KeyboardInterrupt:  # Ctrl-C while an answer streams: stop that answer (the server stops with it)
+            conversation.cancel_turn()
+            typer.echo("\n(answer cancelled)", err=True)
 
 
 def run_once(api: Api, model: str, prompt: str, system: str | None, sampling: Sampling, verbose: bool) -> None:
