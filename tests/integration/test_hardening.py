@@ -121,7 +121,7 @@ def test_remove_racing_a_load_never_leaves_an_app_for_a_removed_model(service: S
     entry = model_entry("racer", tiny_llama_dir, load=False)
     app = model_app_name("racer")
     chat = {"model": "racer", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    for _ in range(3):
+    for _ in range(2):
         assert admin(service, "add", model_id="racer", which=entry["spec"]["which"], load=False).status_code == 201
         with ThreadPoolExecutor(2) as pool:
             asked = pool.submit(service.http.post, "/v1/chat/completions", json=chat)
@@ -136,7 +136,7 @@ def test_remove_racing_a_load_never_leaves_an_app_for_a_removed_model(service: S
 
 def test_set_default_racing_remove_keeps_the_routes_valid(service: Service) -> None:
     which = {"type": "embedding", "model_id": "all-minilm-l6-v2"}
-    for _ in range(3):
+    for _ in range(2):
         assert admin(service, "add", model_id="fleeting", which=which, load=False).status_code == 201
         with ThreadPoolExecutor(2) as pool:
             moved = pool.submit(admin, service, "default", ADMIN, model_id="fleeting")

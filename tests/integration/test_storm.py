@@ -1,4 +1,4 @@
-"""A request storm (CI size) on a real cluster: 8 clients for 30 s mixing chat, streamed chat, completions and
+"""A request storm (CI size) on a real cluster: 8 clients for 20 s mixing chat, streamed chat, completions and
 embeddings on two tiny text models and the builtin embedding model, while a driver unloads, reloads, switches the
 default, adds and removes a model every 2 s. Every request ends 200 or a documented 4xx/503, every stream ends with
 `[DONE]`, no model is left `reloading`, and the registry agrees with Serve's replica counts. The full-size storm is
@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import Service
 from tests.stress.storm_core import Models, Storm, settle, storm_config, summary
 
-CLIENTS, DURATION_S, OP_INTERVAL_S = 8, 30.0, 2.0
+CLIENTS, DURATION_S, OP_INTERVAL_S = 8, 20.0, 2.0
 
 
 @pytest.fixture(scope="module")
