@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import ray
 
-from rayrunner import metrics, model_apps
+from rayrunner import load_progress, metrics, model_apps
 from rayrunner.capacity import InFlightBook
 from rayrunner.errors import (
     ModelAlreadyLoadedError,
@@ -176,8 +176,6 @@ class Registry(CapacityMixin):
             card.update(status=self.state.models[host].status, served_by=host)
         serving = self.state.models[host or model_id]
         if serving.status == "reloading":  # the phase its replica pushes while loading
-            from rayrunner import load_progress
-
             card["load_progress"] = load_progress.read(serving.spec.app_name)
         return {**card, "model_id": model_id, "kind": record.spec.kind, "is_default": model_id == self.state.default_id,
                 "in_flight": self._in_flight.count(model_id, time.time())}
@@ -408,8 +406,6 @@ class Registry(CapacityMixin):
         # The app may never have been created; the record is already consistent either way.
         with contextlib.suppress(Exception):
             await model_apps.delete(record.spec.app_name)
-        from rayrunner import load_progress
-
         load_progress.clear(record.spec.app_name)  # after the delete: a replica still loading wrote until then
 
     def _persist(self) -> None:

@@ -137,8 +137,9 @@ async def _counted(model: str, method: str, stream: AsyncIterator[dict[str, Any]
             yield item
         status = 200
     except Exception as exc:
-        status = client_error(exc, model).status
-        raise
+        error = client_error(exc, model)  # converted once here: `sse` then reports it as it is
+        status = error.status
+        raise error from None
     finally:
         metrics.request(model, method, status)
 
@@ -271,9 +272,7 @@ class Router:
             async with timeouts.within(limits.request_timeout_s):
                 result = await self.service.call(body["model"], method, body, kinds)
         except Exception as exc:
-            error = client_error(exc, body["model"])
-            metrics.request(self.service.model_label(body["model"]), method, error.status)
-            raise error from None
+            raise self._refused(method, body, exc) from None
         metrics.request(self.service.model_label(body["model"]), method, 200)
         return result
 
@@ -286,10 +285,14 @@ class Router:
             async with timeouts.within(limits.request_timeout_s):
                 stream = await self.service.stream(body["model"], method, body, _GENERATES)
         except Exception as exc:
-            error = client_error(exc, body["model"])
-            metrics.request(self.service.model_label(body["model"]), method, error.status)
-            raise error from None
+            raise self._refused(method, body, exc) from None
         return _counted(self.service.model_label(body["model"]), method, timeouts.until(deadline, stream))
+
+    def _refused(self, method: str, body: dict[str, Any], exc: Exception) -> RayRunnerError:
+        """What the caller gets for a request that failed before any output, counted with its status."""
+        error = client_error(exc, body["model"])
+        metrics.request(self.service.model_label(body["model"]), method, error.status)
+        return error
 
     async def list_models(self) -> list[dict[str, Any]]:
         return await self._admin("cards")
