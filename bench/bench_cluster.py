@@ -16,6 +16,7 @@ _RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_worker_niceness": "0",
     "HF_HUB_OFFLINE": "1",
+    "RAY_preload_python_modules": "rayrunner.worker_preload",  # warm spare workers, as scripts/install.sh sets
 }
 
 

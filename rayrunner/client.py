@@ -26,6 +26,7 @@ from rayrunner.protocol import (
 )
 from rayrunner.source_policy import SourcePolicy
 from rayrunner.spec import build_spec
+from rayrunner.warm_workers import CLUSTER_ENV
 from rayrunner.which import Which
 
 APP_NAME = "rayrunner"
@@ -260,6 +261,8 @@ def _start_ray(address: str | None, log_level: str | int, attach_only: bool = Fa
     if existing:
         ray.init(address=existing, **quiet)
         return False
+    for name, value in CLUSTER_ENV.items():  # read by the raylet this starts: warm spare workers
+        os.environ.setdefault(name, value)
     ray.init(address="local", include_dashboard=True, **quiet)
     return True
 

@@ -45,6 +45,7 @@ from rayrunner.registry_capacity import CapacityMixin
 from rayrunner.registry_state import ModelEntry, ModelRecord, RegistryConfig, RegistryState, UnloadMode
 from rayrunner.sources import cache_dir
 from rayrunner.spec import ModelSpec
+from rayrunner.warm_workers import WarmSpares
 
 REGISTRY_NAME = "rayrunner-registry"
 NAMESPACE = "rayrunner"
@@ -70,6 +71,7 @@ class Registry(CapacityMixin):
         self._in_flight = InFlightBook()
         self._tasks: set[asyncio.Task[None]] = set()
         self._idle_timer: asyncio.Task[None] | None = None
+        self._spares = WarmSpares()
 
     # ------------------------------------------------------------ start-up
 
@@ -323,12 +325,14 @@ class Registry(CapacityMixin):
             if mode != "adopt":
                 await self._room_or_unloaded(record)
             started = time.monotonic()
+            deployed_at: float | None = None  # wall time of a fresh deploy (not a wake or an adoption)
             try:
                 if mode == "replace":
                     await model_apps.delete(spec.app_name)
                 if mode == "deploy" and record.unload_mode == "sleep" and await _asleep(spec.app_name):
                     await asyncio.wait_for(_replica_call(spec.app_name, "wake"), self.config.load_timeout_s)
                 elif mode != "adopt":
+                    deployed_at = time.time()
                     await self._bring_up(spec)
                 await model_apps.wait_loaded(spec.app_name, self.config.load_timeout_s)
                 record.info = await _replica_call(spec.app_name, "info")
@@ -349,6 +353,8 @@ class Registry(CapacityMixin):
             record.load_count += 1
             self._persist()
             metrics.model_loaded(spec.model_id, record.load_seconds, record.info.get("weight_bytes"))
+            if deployed_at is not None:  # the next replica on that node starts in a warm worker
+                self._spawn(asyncio.to_thread(self._spares.after_deploy, record.info, deployed_at))
 
     async def _room_or_unloaded(self, record: ModelRecord) -> None:
         """Make room for the load; when there is none (too large, or no room in time) the model goes back to

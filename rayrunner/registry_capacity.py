@@ -139,4 +139,4 @@ async def _logged(work: Any) -> None:
     try:
         await work
     except Exception:
-        logger.exception("background unload failed")
+        logger.exception("background work failed")

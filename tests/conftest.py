@@ -17,6 +17,7 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_worker_niceness", "0")
+os.environ.setdefault("RAY_preload_python_modules", "rayrunner.worker_preload")  # warm spares, as users get
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 

@@ -23,6 +23,7 @@ from rich.console import Console
 from rayrunner.cli.api import DEFAULT_URL, Api, CliError
 from rayrunner.cli.conversation import Conversation, Sampling, chat_loop, run_once
 from rayrunner.cli.tables import print_models
+from rayrunner.warm_workers import CLUSTER_ENV
 
 app = typer.Typer(
     name="rayrunner",
@@ -34,8 +35,9 @@ app = typer.Typer(
 P = ParamSpec("P")
 
 DEFAULT_CONFIG = Path("serve_config.yaml")
-# As scripts/install.sh sets them: token auth off for the cluster and its drivers alike, no usage stats.
-SERVE_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# As scripts/install.sh sets them: token auth off for the cluster and its drivers alike, no usage stats, warm
+# spare workers (rayrunner.warm_workers).
+SERVE_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", **CLUSTER_ENV}
 WIDE = 1000  # a table written to a pipe or file is not wrapped to 80 columns
 
 
@@ -112,7 +114,8 @@ def serve(
                                            "`serve run`).")] = DEFAULT_CONFIG,
 ) -> None:
     """Run the service in the foreground: Ray Serve's `serve run CONFIG`, with scripts/serve.sh's Ray settings
-    (RAY_AUTH_MODE=disabled, RAY_USAGE_STATS_ENABLED=0) where the environment does not set them."""
+    (RAY_AUTH_MODE=disabled, RAY_USAGE_STATS_ENABLED=0, RAY_preload_python_modules) where the environment does
+    not set them."""
     if not config.is_file():
         raise CliError(f"config file `{config}` not found")
     here = Path(sys.executable).parent

@@ -12,6 +12,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import psutil
+import ray
 from ray import serve
 from ray.serve import Application
 
@@ -149,10 +151,11 @@ class ModelServer:
             engine.check_health()
 
     def info(self) -> dict[str, Any]:
-        """What this replica loaded (nothing while asleep), its sleep state, pid and start time."""
+        """What this replica loaded (nothing while asleep), its sleep state, process, node and start time."""
         engine = self.slot.engine
         loaded = dataclasses.asdict(engine.info()) if engine is not None else {}
-        return {**loaded, **self.slot.state(), "pid": os.getpid(), "started_at": self.started_at,
+        return {**loaded, **self.slot.state(), "pid": os.getpid(), "process_started_at": psutil.Process().create_time(),
+                "started_at": self.started_at, "node_id": ray.get_runtime_context().get_node_id(),
                 "process_rss_bytes": _rss_bytes()}
 
     def __del__(self) -> None:

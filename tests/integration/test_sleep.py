@@ -3,6 +3,7 @@ request or a reload wakes the same process; a sleeping model can still be stoppe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -74,3 +75,15 @@ def test_the_wake_up_is_in_the_replica_log(service: Service) -> None:
     logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
     text = "".join(path.read_text() for path in logs.glob("replica_napper_*.log"))
     assert "woke up in" in text
+
+
+def test_a_stopped_model_loads_again_in_a_waiting_worker(service: Service) -> None:
+    """After each deploy the registry has the node start a spare worker (rayrunner.warm_workers): the next
+    replica of a stopped model runs in it, a process older than the reload, instead of starting one."""
+    for _ in range(2):  # the first deploy here may start cold; it leaves a spare behind for the second
+        if service.card("napper")["status"] == "loaded":
+            assert unload(service, "stop").status_code == 200
+        began = time.time()
+        assert service.http.post("/v1/models/reload", json={"model_id": "napper"}).status_code == 200
+    assert service.handle.model_card.remote("napper").result()["info"]["process_started_at"] < began - 1
+    assert service.chat("hi", model="napper", max_tokens=3).status_code == 200

@@ -1,0 +1,70 @@
+"""The spare-worker policy (pure: the raylet call is replaced by a recorder): one spare waits per node, a spare a
+deploy took is replaced, and a spare that did not fit is not piled on."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from rayrunner import warm_workers
+from rayrunner.warm_workers import WarmSpares
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    monkeypatch.setattr(warm_workers, "prestart_worker", lambda node_id, keep_alive_s: calls.append(node_id))
+    return calls
+
+
+def deployed(spares: WarmSpares, node: str, process_age_s: float) -> None:
+    now = time.time()
+    spares.after_deploy({"node_id": node, "process_started_at": now - process_age_s}, deployed_at=now)
+
+
+def test_a_cold_deploy_asks_for_one_spare_and_a_warm_one_replaces_it(started: list[str]) -> None:
+    spares = WarmSpares()
+    deployed(spares, "n1", process_age_s=0)  # a fresh process: ask for a spare
+    assert started == ["n1"]
+    deployed(spares, "n1", process_age_s=30)  # it took the spare: ask for the next
+    assert started == ["n1", "n1"]
+    deployed(spares, "n2", process_age_s=0)  # another node gets its own
+    assert started == ["n1", "n1", "n2"]
+
+
+def test_a_spare_that_a_deploy_did_not_take_is_not_piled_on(started: list[str]) -> None:
+    spares = WarmSpares()
+    deployed(spares, "n1", process_age_s=0)
+    deployed(spares, "n1", process_age_s=0)  # cold although a spare waits: it does not fit (e.g. a runtime_env)
+    deployed(spares, "n1", process_age_s=0)
+    assert started == ["n1"]
+
+
+def test_after_its_keep_alive_a_spare_is_asked_for_again(started: list[str]) -> None:
+    spares = WarmSpares(keep_alive_s=0)
+    deployed(spares, "n1", process_age_s=0)
+    deployed(spares, "n1", process_age_s=0)
+    assert started == ["n1", "n1"]
+
+
+def test_a_failing_raylet_call_is_given_up_after_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    def refuse(node_id: str, keep_alive_s: int) -> None:
+        calls.append(node_id)
+        raise RuntimeError("no such RPC")
+
+    monkeypatch.setattr(warm_workers, "prestart_worker", refuse)
+    spares = WarmSpares()
+    deployed(spares, "n1", process_age_s=0)
+    deployed(spares, "n1", process_age_s=30)
+    assert calls == ["n1"] and spares.broken
+
+
+@pytest.mark.parametrize("info", [{}, {"node_id": "n1"}, {"process_started_at": 1.0}, {"node_id": None,
+                                                                                        "process_started_at": 1.0}])
+def test_a_replica_that_says_nothing_of_its_process_asks_for_nothing(started: list[str], info: dict[str, Any]) -> None:
+    WarmSpares().after_deploy(info, deployed_at=time.time())
+    assert started == []
