@@ -11,7 +11,11 @@ With `--isq Q8_0` a second model with `in_situ_quant: Q8_0` is measured the same
 (skipped with a message when `rayrunner.quantization.quantize_model` is missing or not implemented).
 The first load of each model (cold process, first imports) is a warm-up and not counted.
 
-Run:  .venv/bin/python bench/bench_lifecycle.py [--cycles 3] [--isq Q8_0] [--threads 2]
+Each unload comes `--settle` seconds after the model's last load, as when a model serves a while: the spare worker
+that deploy left behind (rayrunner.warm_workers) has imported the model stack by then; `--settle 0` measures
+back-to-back reloads, which start in a spare that has not imported yet.
+
+Run:  .venv/bin/python bench/bench_lifecycle.py [--cycles 3] [--isq Q8_0] [--threads 2] [--settle 10]
 It starts its own local Ray cluster (Serve and dashboard on free ports in 30000-32000) and shuts it down at the end.
 """
 
@@ -69,8 +73,9 @@ def bare_load(path: str, isq: str | None) -> tuple[float, float]:
 
 
 class Admin:
-    def __init__(self, http: httpx.Client) -> None:
+    def __init__(self, http: httpx.Client, settle_s: float) -> None:
         self.http = http
+        self.settle_s = settle_s  # a loaded model serves a while before it is unloaded (see --settle)
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         start = time.perf_counter()
@@ -91,6 +96,7 @@ class Admin:
             time.sleep(0.3)
 
     def cycle(self, model_id: str) -> dict[str, float]:
+        time.sleep(self.settle_s)
         unload_s, result = self.post("/v1/models/unload", {"model_id": model_id})
         assert result["status"] == "unloaded", result
         began = time.time()
@@ -108,6 +114,7 @@ class Admin:
 
     def first_answer_after(self, model_id: str, mode: str) -> float:
         """Unload by `mode` (`stop` or `sleep`), then time a one-token chat: the auto-reload or wake included."""
+        time.sleep(self.settle_s)
         self.post("/v1/models/unload", {"model_id": model_id, "mode": mode})
         first_s, answer = self.post("/v1/chat/completions", {
             "model": model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
@@ -143,6 +150,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cycles", type=int, default=3, help="unload/reload cycles per model (median reported)")
     parser.add_argument("--isq", default=None, help="also measure a model with this in_situ_quant, e.g. Q8_0")
+    parser.add_argument("--settle", type=float, default=10.0,
+                        help="seconds a loaded model serves before each unload (the spare worker a deploy leaves "
+                             "behind imports the model stack once idle 5 s; 0 measures back-to-back reloads)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (replica + driver)")
     parser.add_argument("--http-port", type=int, default=0, help="Serve HTTP port (default: free, 30000-32000)")
     parser.add_argument("--dashboard-port", type=int, default=0, help="dashboard port (default: free)")
@@ -170,7 +180,7 @@ def main() -> None:
                       "state_path": str(Path(state_dir) / "registry.json")}
             serve.run(build_router_app(config), name="rayrunner", route_prefix="/",
                       logging_config={"enable_access_log": False})
-            admin = Admin(http)
+            admin = Admin(http, args.settle)
             assert http.get("/health").json() == {"status": "ok"}
             admin.wait(BASE_ID, "loaded")
             for model_id, isq in models:

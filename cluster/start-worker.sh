@@ -2,4 +2,6 @@
 # Join a worker node (GPUs are detected by Ray) to the head given as HOST:PORT.
 set -euo pipefail
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}" RAY_USAGE_STATS_ENABLED=0
+# Idle workers import the model stack, so a model loaded again starts warm (rayrunner/warm_workers.py).
+export RAY_preload_python_modules="${RAY_preload_python_modules-rayrunner.worker_preload}"
 exec ray start --address="${1:?usage: start-worker.sh HEAD_HOST:6379}" "${@:2}"
