@@ -354,7 +354,11 @@ class Registry(CapacityMixin):
             self._persist()
             metrics.model_loaded(spec.model_id, record.load_seconds, record.info.get("weight_bytes"))
             if deployed_at is not None:  # the next replica on that node starts in a warm worker
-                self._spawn(asyncio.to_thread(self._spares.after_deploy, record.info, deployed_at))
+                self._spawn(self._spare_after(spec.app_name, deployed_at))
+
+    async def _spare_after(self, app: str, deployed_at: float) -> None:
+        worker = await _replica_call(app, "worker")
+        await asyncio.to_thread(self._spares.after_deploy, worker, deployed_at)
 
     async def _room_or_unloaded(self, record: ModelRecord) -> None:
         """Make room for the load; when there is none (too large, or no room in time) the model goes back to
@@ -424,7 +428,7 @@ class Registry(CapacityMixin):
 
 
 async def _replica_call(app: str, method: str) -> dict[str, Any]:
-    """`info`, `sleep` or `wake` on the model's replica; each answers the replica's info."""
+    """`info`, `sleep`, `wake` (each answers the replica's info) or `worker` on the model's replica."""
     from ray import serve
 
     handle = serve.get_deployment_handle(model_apps.DEPLOYMENT, app_name=app)

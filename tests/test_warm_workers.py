@@ -15,13 +15,14 @@ from rayrunner.warm_workers import WarmSpares
 @pytest.fixture
 def started(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
-    monkeypatch.setattr(warm_workers, "prestart_worker", lambda node_id, keep_alive_s: calls.append(node_id))
+    monkeypatch.setattr(warm_workers, "prestart_worker", lambda worker, keep_alive_s: calls.append(worker["node_id"]))
     return calls
 
 
 def deployed(spares: WarmSpares, node: str, process_age_s: float) -> None:
     now = time.time()
-    spares.after_deploy({"node_id": node, "process_started_at": now - process_age_s}, deployed_at=now)
+    worker = {"node_id": node, "job_id": "01000000", "runtime_env": "{}", "process_started_at": now - process_age_s}
+    spares.after_deploy(worker, deployed_at=now)
 
 
 def test_a_cold_deploy_asks_for_one_spare_and_a_warm_one_replaces_it(started: list[str]) -> None:
@@ -52,8 +53,8 @@ def test_after_its_keep_alive_a_spare_is_asked_for_again(started: list[str]) -> 
 def test_a_failing_raylet_call_is_given_up_after_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
 
-    def refuse(node_id: str, keep_alive_s: int) -> None:
-        calls.append(node_id)
+    def refuse(worker: dict[str, Any], keep_alive_s: int) -> None:
+        calls.append(worker["node_id"])
         raise RuntimeError("no such RPC")
 
     monkeypatch.setattr(warm_workers, "prestart_worker", refuse)

@@ -26,6 +26,7 @@ from rayrunner.errors import InvalidRequestError
 from rayrunner.load_progress import for_model
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields
 from rayrunner.spec import EngineSettings, ModelSpec
+from rayrunner.warm_workers import REPLICA_RUNTIME_ENV
 
 DEPLOYMENT = "ModelServer"  # the deployment's name inside every model app
 
@@ -158,6 +159,13 @@ class ModelServer:
                 "started_at": self.started_at, "node_id": ray.get_runtime_context().get_node_id(),
                 "process_rss_bytes": _rss_bytes()}
 
+    def worker(self) -> dict[str, Any]:
+        """What a spare worker for the next replica must match (`warm_workers`): this replica's node, job and
+        serialized runtime env (it may hold environment values: never stored or shown), and its process start."""
+        context = ray.get_runtime_context()
+        return {"node_id": context.get_node_id(), "job_id": context.get_job_id(),
+                "runtime_env": context.get_runtime_env_string(), "process_started_at": psutil.Process().create_time()}
+
     def __del__(self) -> None:
         slot = getattr(self, "slot", None)
         if slot is not None:
@@ -202,7 +210,8 @@ def model_deployment(spec: ModelSpec) -> Application:
             graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
             graceful_shutdown_wait_loop_s=0.5,
             max_constructor_retry_count=1,  # a broken model does not heal by retrying; fail fast instead
-            ray_actor_options=settings.ray_actor_options(),
+            # RAYRUNNER_PRELOAD: the worker imports the model stack as it starts (see rayrunner.warm_workers)
+            ray_actor_options={**settings.ray_actor_options(), "runtime_env": REPLICA_RUNTIME_ENV},
         )(ModelServer)
         .bind(spec.model_dump(mode="json"))
     )
