@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--isq", default=None, help="also measure a model with this in_situ_quant, e.g. Q8_0")
     parser.add_argument("--settle", type=float, default=10.0,
                         help="seconds a loaded model serves before each unload (the spare worker a deploy leaves "
-                             "behind imports the model stack once idle 5 s; 0 measures back-to-back reloads)")
+                             "behind imports the model stack in ~4 s; 0 measures back-to-back reloads)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (replica + driver)")
     parser.add_argument("--http-port", type=int, default=0, help="Serve HTTP port (default: free, 30000-32000)")
     parser.add_argument("--dashboard-port", type=int, default=0, help="dashboard port (default: free)")

@@ -325,17 +325,8 @@ class Registry(CapacityMixin):
             if mode != "adopt":
                 await self._room_or_unloaded(record)
             started = time.monotonic()
-            deployed_at: float | None = None  # wall time of a fresh deploy (not a wake or an adoption)
             try:
-                if mode == "replace":
-                    await model_apps.delete(spec.app_name)
-                if mode == "deploy" and record.unload_mode == "sleep" and await _asleep(spec.app_name):
-                    await asyncio.wait_for(_replica_call(spec.app_name, "wake"), self.config.load_timeout_s)
-                elif mode != "adopt":
-                    deployed_at = time.time()
-                    await self._bring_up(spec)
-                await model_apps.wait_loaded(spec.app_name, self.config.load_timeout_s)
-                record.info = await _replica_call(spec.app_name, "info")
+                record.info, deployed_at = await self._replica_up(record, mode)
                 record.estimated_bytes = None  # estimated again from the measured weights
                 await self._footprint(record)
             except Exception as exc:
@@ -355,6 +346,22 @@ class Registry(CapacityMixin):
             metrics.model_loaded(spec.model_id, record.load_seconds, record.info.get("weight_bytes"))
             if deployed_at is not None:  # the next replica on that node starts in a warm worker
                 self._spawn(self._spare_after(spec.app_name, deployed_at))
+
+    async def _replica_up(self, record: ModelRecord, mode: LoadMode) -> tuple[dict[str, Any], float | None]:
+        """Bring the model's replica up by `mode`: its info, and the wall time of a fresh deploy (None for a wake or
+        an adoption, which start no worker)."""
+        app = record.spec.app_name
+        if mode == "replace":
+            await model_apps.delete(app)
+        if mode == "deploy" and record.unload_mode == "sleep" and await _asleep(app):
+            woken = await asyncio.wait_for(_replica_call(app, "wake"), self.config.load_timeout_s)
+            return woken, None  # the replica answered: it runs, and wake answers its info
+        deployed_at = None
+        if mode != "adopt":
+            deployed_at = time.time()
+            await self._bring_up(record.spec)
+        await model_apps.wait_loaded(app, self.config.load_timeout_s)
+        return await _replica_call(app, "info"), deployed_at
 
     async def _spare_after(self, app: str, deployed_at: float) -> None:
         worker = await _replica_call(app, "worker")
