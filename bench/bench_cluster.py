@@ -11,12 +11,14 @@ import os
 import random
 import socket
 
+from rayrunner.warm_workers import CLUSTER_ENV
+
 _RAY_ENV = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_worker_niceness": "0",
     "HF_HUB_OFFLINE": "1",
-    "RAY_preload_python_modules": "rayrunner.worker_preload",  # warm spare workers, as scripts/install.sh sets
+    **CLUSTER_ENV,  # warm spare workers, as scripts/install.sh sets
 }
 
 

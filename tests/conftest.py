@@ -13,11 +13,14 @@ from typing import Any
 
 import pytest
 
+from rayrunner.warm_workers import CLUSTER_ENV
+
 # Set before Ray is imported anywhere: no token auth, no usage stats (no network here), normal worker priority.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_worker_niceness", "0")
-os.environ.setdefault("RAY_preload_python_modules", "rayrunner.worker_preload")  # warm spares, as users get
+for _name, _value in CLUSTER_ENV.items():  # warm spare workers, as users get
+    os.environ.setdefault(_name, _value)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 

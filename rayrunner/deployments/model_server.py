@@ -152,11 +152,10 @@ class ModelServer:
             engine.check_health()
 
     def info(self) -> dict[str, Any]:
-        """What this replica loaded (nothing while asleep), its sleep state, process, node and start time."""
+        """What this replica loaded (nothing while asleep), its sleep state, pid and start time."""
         engine = self.slot.engine
         loaded = dataclasses.asdict(engine.info()) if engine is not None else {}
-        return {**loaded, **self.slot.state(), "pid": os.getpid(), "process_started_at": psutil.Process().create_time(),
-                "started_at": self.started_at, "node_id": ray.get_runtime_context().get_node_id(),
+        return {**loaded, **self.slot.state(), "pid": os.getpid(), "started_at": self.started_at,
                 "process_rss_bytes": _rss_bytes()}
 
     def worker(self) -> dict[str, Any]:

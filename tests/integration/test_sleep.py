@@ -9,7 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ray import serve
 
+from rayrunner.deployments.model_server import DEPLOYMENT
+from rayrunner.spec import model_app_name
 from tests.conftest import Service, model_entry
 
 
@@ -85,5 +88,6 @@ def test_a_stopped_model_loads_again_in_a_waiting_worker(service: Service) -> No
             assert unload(service, "stop").status_code == 200
         began = time.time()
         assert service.http.post("/v1/models/reload", json={"model_id": "napper"}).status_code == 200
-    assert service.handle.model_card.remote("napper").result()["info"]["process_started_at"] < began - 1
+    replica = serve.get_deployment_handle(DEPLOYMENT, app_name=model_app_name("napper"))
+    assert replica.worker.remote().result()["process_started_at"] < began - 1
     assert service.chat("hi", model="napper", max_tokens=3).status_code == 200
