@@ -34,14 +34,17 @@ KEEP_ALIVE_S = 600
 WARM_MARGIN_S = 1.0  # a replica whose process is this much older than its deploy ran in a waiting worker
 
 
-def prestart_worker(worker: dict[str, Any], keep_alive_s: int = KEEP_ALIVE_S) -> None:
-    """Ask the raylet of the replica's node to start one idle worker with the replica's job and runtime env."""
+def prestart_worker(worker: dict[str, Any], keep_alive_s: int = KEEP_ALIVE_S) -> bool:
+    """Ask the raylet of the replica's node to start one idle worker with the replica's job and runtime env;
+    False when that node is gone (nothing to ask)."""
     import ray
     from ray._private.grpc_utils import init_grpc_channel
     from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc, runtime_environment_pb2
 
     common, manager, runtime_env = cast(Any, (common_pb2, node_manager_pb2, runtime_environment_pb2))  # no stubs
-    node = next(n for n in ray.nodes() if n["NodeID"] == worker["node_id"] and n["Alive"])
+    node = next((n for n in ray.nodes() if n["NodeID"] == worker["node_id"] and n["Alive"]), None)
+    if node is None:
+        return False
     channel = init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
     try:
         request = manager.PrestartWorkersRequest(
@@ -51,6 +54,7 @@ def prestart_worker(worker: dict[str, Any], keep_alive_s: int = KEEP_ALIVE_S) ->
         node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
     finally:
         channel.close()
+    return True
 
 
 class WarmSpares:
@@ -73,9 +77,10 @@ class WarmSpares:
         elif self.waiting_until.get(node_id, 0.0) > now:
             return  # a fresh process although a spare waits there: it does not fit; do not pile up another
         try:
-            prestart_worker(worker, self.keep_alive_s)
+            started = prestart_worker(worker, self.keep_alive_s)
         except Exception as exc:
             self.broken = True
             logger.warning("rayrunner could not start a spare worker (loads start cold): %s", exc)
             return
-        self.waiting_until[node_id] = now + self.keep_alive_s
+        if started:
+            self.waiting_until[node_id] = now + self.keep_alive_s

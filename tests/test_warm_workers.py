@@ -15,7 +15,11 @@ from rayrunner.warm_workers import WarmSpares
 @pytest.fixture
 def started(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
-    monkeypatch.setattr(warm_workers, "prestart_worker", lambda worker, keep_alive_s: calls.append(worker["node_id"]))
+    def record(worker: dict[str, Any], keep_alive_s: int) -> bool:
+        calls.append(worker["node_id"])
+        return True
+
+    monkeypatch.setattr(warm_workers, "prestart_worker", record)
     return calls
 
 
@@ -69,3 +73,21 @@ def test_a_failing_raylet_call_is_given_up_after_once(monkeypatch: pytest.Monkey
 def test_a_replica_that_says_nothing_of_its_process_asks_for_nothing(started: list[str], info: dict[str, Any]) -> None:
     WarmSpares().after_deploy(info, deployed_at=time.time())
     assert started == []
+
+
+def test_a_node_gone_before_its_spare_is_asked_for_stops_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replica's node died between its deploy and the call: nothing waits there, and later deploys (there or
+    elsewhere) still get spares."""
+    alive = {"n2"}
+    calls: list[str] = []
+
+    def prestart(worker: dict[str, Any], keep_alive_s: int) -> bool:
+        calls.append(worker["node_id"])
+        return worker["node_id"] in alive
+
+    monkeypatch.setattr(warm_workers, "prestart_worker", prestart)
+    spares = WarmSpares()
+    deployed(spares, "n1", process_age_s=0)
+    assert not spares.broken and spares.waiting_until == {}
+    deployed(spares, "n2", process_age_s=0)
+    assert calls == ["n1", "n2"] and set(spares.waiting_until) == {"n2"}
