@@ -8,9 +8,10 @@ transformers folder gets mean pooling. Forward passes run in a worker thread so 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from transformers import AutoModel
@@ -20,6 +21,8 @@ from rayrunner.deployments.engine import EmbeddingResult, Engine, EngineInfo, de
 from rayrunner.errors import ModelLoadError
 from rayrunner.loading import load_model
 from rayrunner.spec import ModelSpec
+
+T = TypeVar("T")
 
 BATCH_SIZE = 32
 
@@ -94,9 +97,9 @@ class EmbeddingEngine(Engine):
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
         self.compute = ComputeThread("embedding-engine")
-        self._loaded = self.compute.call(load_model, spec, AutoModel)
-        self._model = self._loaded.model
-        self._tokenizer = self._loaded.tokenizer
+        self.loaded = self.compute.call(load_model, spec, AutoModel)
+        self._model = self.loaded.model
+        self._tokenizer = self.loaded.tokenizer
         if self._tokenizer.pad_token is None:
             self._tokenizer.pad_token = self._tokenizer.eos_token
         folder = Path(self._model.name_or_path)
@@ -115,7 +118,7 @@ class EmbeddingEngine(Engine):
         return min(found, self.spec.engine.max_seq_len or found)
 
     def info(self) -> EngineInfo:
-        return describe(self.kind, self._loaded, {
+        return describe(self.kind, self.loaded, {
                 "dimensions": self._model.config.hidden_size,
                 "pooling": self.pooling.mode,
                 "normalize": self.pooling.normalize,
@@ -131,13 +134,16 @@ class EmbeddingEngine(Engine):
             tokens += batch_tokens
         return EmbeddingResult(vectors=vectors, prompt_tokens=tokens)
 
+    async def between_steps(self, fn: Callable[[], T]) -> T:
+        return await self.compute.run(fn)
+
     def close(self) -> None:
         self.compute.shutdown()
 
     def _embed_batch(self, texts: list[str]) -> tuple[list[list[float]], int]:
         batch = self._tokenizer(
             texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
-        ).to(self._loaded.device)
+        ).to(self.loaded.device)
         with torch.inference_mode():
             hidden = self._model(**batch).last_hidden_state
         mask = batch["attention_mask"]

@@ -8,9 +8,9 @@ one directly without Ray.
 from __future__ import annotations
 
 from abc import ABC
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rayrunner.deployments.sampling import SamplingParams
 from rayrunner.errors import InvalidRequestError, UnsupportedRequestError
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from rayrunner.deployments.tool_replies import ToolReplies
     from rayrunner.loading import Loaded
 
+T = TypeVar("T")
 
 @dataclass
 class TokenLogprob:
@@ -91,8 +92,13 @@ class Engine(ABC):  # noqa: B024 - every method has a default that refuses the r
     """One loaded model. Subclasses override the request kinds they serve; the others refuse with a 400."""
 
     kind: str = "text"
+    loaded: Loaded  # the model and what was applied loading it, set by every engine's constructor
 
     def info(self) -> EngineInfo:
+        raise NotImplementedError
+
+    async def between_steps(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine's compute thread while no model call runs (sleep parks the weights there)."""
         raise NotImplementedError
 
     def chat(self, request: ChatCompletionRequest, params: SamplingParams, adapter: str | None = None

@@ -1,9 +1,10 @@
-"""The replica's engine behind a slot that can sleep: the weights are freed while the process stays (imports,
-tokenizer, Serve's replica), and the next request or `wake` rebuilds the engine from the local cache.
+"""The replica's engine behind a slot that can sleep: the weights are parked in a local file and freed while the
+engine stays (process, imports, tokenizer, compute thread, Serve's replica), and the next request or `wake` puts
+them back (`parked_weights`).
 
 Every request holds the slot while it runs (`use`), so `sleep` first lets in-flight requests finish, and requests
-that arrive meanwhile wait for it, then wake the engine again. On every device sleeping drops the weights; waking
-re-reads them (for SmolLM2 on CPU a fraction of a second, against several for a new replica process).
+that arrive meanwhile wait for it, then wake the engine again. Should the parked weights not come back (the file
+gone), the engine is rebuilt from the model's source instead, as a new replica would load it.
 """
 
 from __future__ import annotations
@@ -18,15 +19,18 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from rayrunner.deployments.engine import Engine
+from rayrunner.deployments.parked_weights import ParkedWeights
 from rayrunner.errors import ModelTimeoutError
 
 logger = logging.getLogger(__name__)
 
 
 class EngineSlot:
-    def __init__(self, build: Callable[[], Engine]) -> None:
+    def __init__(self, build: Callable[[], Engine], name: str) -> None:
+        """`build` makes the engine (now, and again should its parked weights be lost); `name` names its file."""
         self._build = build
-        self.engine: Engine | None = build()
+        self.engine: Engine = build()
+        self._weights = ParkedWeights(name)
         self._lock = asyncio.Lock()  # sleep and wake run alone; requests pass it to start
         self._active = 0
         self._idle = asyncio.Event()
@@ -36,16 +40,15 @@ class EngineSlot:
 
     @property
     def asleep(self) -> bool:
-        return self.engine is None
+        return self._weights.parked
 
     @contextlib.asynccontextmanager
     async def use(self) -> AsyncIterator[Engine]:
         """The engine for one request (woken first if asleep), held until the request ends."""
         async with self._lock:
-            if self.engine is None:
+            if self.asleep:
                 await self._wake()
             engine = self.engine
-            assert engine is not None
             self._active += 1
             self._idle.clear()
         try:
@@ -56,43 +59,54 @@ class EngineSlot:
                 self._idle.set()
 
     async def sleep(self, drain_timeout_s: float) -> None:
-        """Free the weights once in-flight requests are done (new ones wait, then wake the engine)."""
+        """Park the weights once in-flight requests are done (new ones wait, then wake the engine)."""
         async with self._lock:
-            if self.engine is None:
+            if self.asleep:
                 return
             try:
                 await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
             except TimeoutError:
                 raise ModelTimeoutError(
                     f"requests still running after {drain_timeout_s:.0f} s: not put to sleep") from None
-            engine, self.engine = self.engine, None
-            await asyncio.to_thread(engine.close)
-            del engine  # the last reference: the weights go now
+            model = self.engine.loaded.model
+            await self.engine.between_steps(lambda: self._weights.park(model))
             _free_memory()
             self.slept_at = time.time()
 
     async def wake(self) -> None:
         async with self._lock:
-            if self.engine is None:
+            if self.asleep:
                 await self._wake()
 
     async def _wake(self) -> None:
         start = time.perf_counter()
-        self.engine = await asyncio.to_thread(self._build)
+        try:
+            await self.engine.between_steps(self._weights.restore)
+        except Exception:
+            logger.exception("the parked weights did not come back: loading the model again")
+            await self._rebuild()
         self.last_wake_s = time.perf_counter() - start
         self.slept_at = None
         logger.info("woke up in %.2f s", self.last_wake_s)
+
+    async def _rebuild(self) -> None:
+        """A new engine in place of the one whose weights are lost (which stays, parked, if this fails too)."""
+        engine = await asyncio.to_thread(self._build)
+        old, self.engine = self.engine, engine
+        await asyncio.to_thread(old.close)
+        self._weights.discard()
+        self._weights = ParkedWeights(self._weights.name)
 
     def state(self) -> dict[str, Any]:
         return {"asleep": self.asleep, "slept_at": self.slept_at, "last_wake_s": self.last_wake_s}
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
+        self.engine.close()
+        self._weights.discard()
 
 
 def _free_memory() -> None:
-    """Collect the dropped engine's cycles now, hand freed heap pages back to the OS (glibc keeps freed blocks of
+    """Collect the dropped tensors' cycles now, hand freed heap pages back to the OS (glibc keeps freed blocks of
     the sizes torch allocates in its arenas otherwise), and return the accelerator's cached blocks."""
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # not glibc

@@ -82,11 +82,12 @@ class ModelServer:
         logs.to_replica_log()
         self.spec = ModelSpec.model_validate(spec)
         _set_torch_threads(self.spec.engine)
-        self.slot = EngineSlot(self._build_engine)
+        self.slot = EngineSlot(self._build_engine, self.spec.app_name)
         self.started_at = time.time()
 
     def _build_engine(self) -> Engine:
-        """The engine, built at start and on every wake; the load progress it reported ends at `ready`."""
+        """The engine, built at start (and again by a wake whose parked weights are lost); the load progress it
+        reported ends at `ready`."""
         engine = build_engine(self.spec)
         for_model(self.spec.app_name, self.spec.model_id).ready()
         return engine
@@ -137,7 +138,8 @@ class ModelServer:
         return responses.embedding_response(self.spec.model_id, result, request.encoding_format).model_dump()
 
     async def sleep(self) -> dict[str, Any]:
-        """Free the weights, keep the process (`unload` with mode `sleep`); the next request or `wake` reloads."""
+        """Park the weights and free them, keep the engine (`unload` with mode `sleep`); the next request or `wake`
+        puts them back (`rayrunner.deployments.engine_slot`)."""
         await self.slot.sleep(self.spec.engine.graceful_shutdown_timeout_s)
         return self.info()
 
@@ -146,15 +148,12 @@ class ModelServer:
         return self.info()
 
     def check_health(self) -> None:
-        """Serve's periodic health check: a wedged or dead engine fails it (a sleeping one is healthy)."""
-        engine = self.slot.engine
-        if engine is not None:
-            engine.check_health()
+        """Serve's periodic health check: a wedged or dead engine fails it (asleep or awake)."""
+        self.slot.engine.check_health()
 
     def info(self) -> dict[str, Any]:
         """What this replica loaded (nothing while asleep), its sleep state, pid and start time."""
-        engine = self.slot.engine
-        loaded = dataclasses.asdict(engine.info()) if engine is not None else {}
+        loaded = {} if self.slot.asleep else dataclasses.asdict(self.slot.engine.info())
         return {**loaded, **self.slot.state(), "pid": os.getpid(), "started_at": self.started_at,
                 "process_rss_bytes": _rss_bytes()}
 
@@ -173,7 +172,8 @@ class ModelServer:
 
 async def _request_adapter(engine: Engine, body: dict[str, Any]) -> str | None:
     """The LoRA adapter the body names in `adapter` (the router sets it for a LoRA model id), first loaded from
-    `adapter_source` (folder or hub id) when this replica does not hold it yet: after a restart or a sleep."""
+    `adapter_source` (folder or hub id) when this replica does not hold it yet: after a restart, or after a wake
+    that had to load the model again."""
     name, source = body.get("adapter"), body.get("adapter_source")
     if name is None:
         return None

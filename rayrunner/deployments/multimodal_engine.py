@@ -8,8 +8,9 @@ shared batch with everyone else's.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from PIL import Image
 from transformers import AutoModelForImageTextToText
@@ -27,6 +28,7 @@ from rayrunner.protocol import ChatCompletionRequest, ChatMessage, ImagePart
 from rayrunner.spec import ModelSpec
 
 Conversation = list[dict[str, Any]]
+T = TypeVar("T")
 
 
 def to_conversation(messages: list[ChatMessage]) -> tuple[Conversation, list[str]]:
@@ -55,9 +57,9 @@ class MultimodalEngine(Engine):
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
         self.compute = ComputeThread("multimodal-engine")
-        self._loaded = self.compute.call(load_model, spec, AutoModelForImageTextToText, True)
-        self._model = self._loaded.model
-        self._processor = self._loaded.processor
+        self.loaded = self.compute.call(load_model, spec, AutoModelForImageTextToText, True)
+        self._model = self.loaded.model
+        self._processor = self.loaded.processor
         self._tokenizer = self._processor.tokenizer
         self._eos_ids = stop_ids(self._model, self._tokenizer)
         self.grammars = Grammars(self._tokenizer, self._eos_ids, self._model.config.get_text_config().vocab_size)
@@ -66,7 +68,7 @@ class MultimodalEngine(Engine):
 
     def info(self) -> EngineInfo:
         extra = {"model_type": self._model.config.model_type, "scheduler": self.scheduler.stats()}
-        return describe(self.kind, self._loaded, extra)
+        return describe(self.kind, self.loaded, extra)
 
     async def chat(self, request: ChatCompletionRequest, params: SamplingParams, adapter: str | None = None
                    ) -> AsyncIterator[GenerationEvent]:
@@ -94,11 +96,14 @@ class MultimodalEngine(Engine):
             # User text may not write control tokens, so it cannot add image placeholders of its own.
             sanitize_control_tokens=True,
             processor_kwargs={"images": images},
-        ).to(self._loaded.device)
+        ).to(self.loaded.device)
 
     def _max_new_tokens(self, prompt_tokens: int, params: SamplingParams) -> int:
         limit = self.spec.engine.max_seq_len
         return params.max_tokens if limit is None else bounded_max_tokens(prompt_tokens, params.max_tokens, limit)
+
+    async def between_steps(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.scheduler.between_steps(fn))
 
     def check_health(self) -> None:
         self.scheduler.check_health()

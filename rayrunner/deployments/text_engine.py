@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from transformers import AutoModelForCausalLM
 
@@ -27,6 +28,8 @@ from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
 from rayrunner.spec import ModelSpec
 from rayrunner.tool_calls import forced_call_schema, tool_format
 from rayrunner.which import Lora
+
+T = TypeVar("T")
 
 
 class TextEngine(Engine):
@@ -109,6 +112,9 @@ class TextEngine(Engine):
         params.max_tokens = bounded_max_tokens(len(ids), params.max_tokens, self.max_seq_len)
         return self.scheduler.generate(ids, params, Detokenizer(self.tokenizer, params.stop), self.eos_ids,
                                        adapter=adapter)
+
+    async def between_steps(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.scheduler.between_steps(fn))
 
     def check_health(self) -> None:
         self.scheduler.check_health()

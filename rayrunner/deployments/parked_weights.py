@@ -1,0 +1,117 @@
+"""A sleeping engine's weights, parked in a local file: `park` writes every parameter and buffer of the model as it
+is in memory (after in-situ quantization, LoRA adapters included, tied weights written once and shared again) and
+drops them; `restore` reads them back into the same modules.
+
+Waking this way skips all that rebuilding the engine repeats (config, tokenizer, `from_pretrained`, quantizing
+again): SmolLM2 on CPU comes back in 0.09-0.15 s (bf16 0.15, Q8_0 0.09) against 0.5-0.8 s for a rebuild, and
+answers token for token as before. The file is written at the first sleep and again only when the model's tensors
+changed since (an adapter loaded); it is deleted when the engine closes, and a parked file whose process is gone
+(a replica killed while asleep) is removed by the next replica on the host that parks. Disk: the weights' size
+(269 MB for SmolLM2 bf16, 135 MB at Q8_0) in `$RAYRUNNER_CACHE_DIR/parked`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+
+from rayrunner.sources import cache_dir
+
+logger = logging.getLogger(__name__)
+
+Place = tuple[nn.Module, str, str]  # a module, "_parameters" or "_buffers", the tensor's name there
+
+
+class ParkedWeights:
+    """The weights of one engine's model while it sleeps; `park` and `restore` run where no model call runs."""
+
+    def __init__(self, name: str, folder: Path | None = None) -> None:
+        self.name = name
+        self.folder = folder or cache_dir() / "parked"
+        self.path = self.folder / f"{_host_prefix()}{os.getpid()}-{name}.pt"
+        self._written: tuple[Any, ...] | None = None  # what the file holds (see `_signature`)
+        self._places: list[Place] | None = None  # where each parked tensor goes back, while parked
+
+    @property
+    def parked(self) -> bool:
+        return self._places is not None
+
+    def park(self, model: nn.Module) -> None:
+        """Write the model's tensors (unless the file holds them already), then drop them from the model."""
+        slots = list(_slots(model))
+        signature = _signature(slots)
+        if signature != self._written:
+            self._write([tensor for *_, tensor in slots])
+            self._written = signature
+        places: list[Place] = [(module, kind, name) for _, module, kind, name, _ in slots]
+        for module, kind, name in places:
+            getattr(module, kind)[name] = None
+        self._places = places
+
+    def restore(self) -> None:
+        """Put the parked tensors back where they were, on the device they were on."""
+        if self._places is None:
+            return
+        # Loaded as normal tensors even where the caller runs in inference mode (the step loop does): weights that
+        # are inference tensors send a Linear on a sliced input through a bmm that copies the weight every call.
+        with torch.inference_mode(False):
+            tensors = torch.load(self.path, weights_only=False)  # our own file, written by `park`
+        for (module, kind, name), tensor in zip(self._places, tensors, strict=True):
+            getattr(module, kind)[name] = tensor
+        self._places = None
+
+    def discard(self) -> None:
+        """Remove the file (the engine is closing)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self._written = None
+
+    def _write(self, tensors: list[torch.Tensor]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        _remove_orphans(self.folder)
+        partial = self.path.with_suffix(".partial")
+        try:
+            torch.save(tensors, partial)
+            partial.replace(self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                partial.unlink()
+            raise
+
+
+def _slots(model: nn.Module) -> list[tuple[str, nn.Module, str, str, torch.Tensor]]:
+    """Every parameter and buffer of every module, by module: a tensor two modules share (tied embeddings) comes
+    twice, and `torch.save` writes it once and loads it back as one tensor."""
+    return [(qualname, module, kind, name, tensor)
+            for qualname, module in model.named_modules()
+            for kind in ("_parameters", "_buffers")
+            for name, tensor in getattr(module, kind).items() if tensor is not None]
+
+
+def _signature(slots: list[tuple[str, nn.Module, str, str, torch.Tensor]]) -> tuple[Any, ...]:
+    """What identifies the parked tensors: weights never change while serving, only which tensors there are."""
+    return tuple((qualname, kind, name, tuple(tensor.shape), str(tensor.dtype), type(tensor).__name__,
+                  str(tensor.device)) for qualname, _, kind, name, tensor in slots)
+
+
+def _host_prefix() -> str:
+    return f"{socket.gethostname()}-"
+
+
+def _remove_orphans(folder: Path) -> None:
+    """Delete this host's parked files whose process has exited (a replica killed while asleep)."""
+    prefix = _host_prefix()
+    for path in folder.glob(f"{prefix}*"):
+        pid = path.name.removeprefix(prefix).split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not psutil.pid_exists(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                logger.info("removed %s: its replica has exited", path.name)
