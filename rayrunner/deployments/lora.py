@@ -94,12 +94,18 @@ class LoraAdapters:
         self._evict({name, *keep})
 
     def _load_weights(self, name: str, folder: str) -> None:
-        if self.peft is None:
-            from peft import PeftModel
+        """Normal tensors even when a step (in inference mode) loads the adapter: peft later sets requires_grad on
+        every adapter's weights, which inference tensors refuse, and a Linear on an inference-tensor weight runs a
+        sliced input through a bmm that copies the weight."""
+        import torch
 
-            self.peft = PeftModel.from_pretrained(self.model, folder, adapter_name=name, is_trainable=False)
-        else:
-            self.peft.load_adapter(folder, adapter_name=name, is_trainable=False)
+        with torch.inference_mode(False):
+            if self.peft is None:
+                from peft import PeftModel
+
+                self.peft = PeftModel.from_pretrained(self.model, folder, adapter_name=name, is_trainable=False)
+            else:
+                self.peft.load_adapter(folder, adapter_name=name, is_trainable=False)
         self.peft.eval()
 
     def _forget(self, name: str) -> None:

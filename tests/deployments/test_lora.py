@@ -86,6 +86,8 @@ def test_a_mixed_batch_gives_each_row_its_adapters_logits(adapters: dict[str, st
 async def test_adapter_reply_differs_from_the_base_and_equals_peft(engine: TextEngine,
                                                                    adapters: dict[str, str]) -> None:
     await engine.load_adapter("alpha", adapters["alpha"])
+    # loaded on the step loop's thread, yet normal tensors (inference-tensor weights make Linears copy them)
+    assert not any(p.is_inference() for p in engine.model.parameters())
     request = CompletionRequest(prompt="The capital of France is")
     mine = [e async for e in engine.complete(request, SamplingParams(max_tokens=16), "alpha")]
     text = "".join(e.text for e in mine)
