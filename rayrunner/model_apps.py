@@ -10,6 +10,7 @@ version is retried by Serve without end, which would leave the model stuck in `r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import threading
@@ -148,3 +149,41 @@ def _failure_message(state: AppState) -> str:
     if not lines:
         return f"deployment is {state.deployment_status}"
     return re.sub(r"^rayrunner\.errors\.\w+: ", "", lines[-1])
+
+
+async def call_replica(app: str, method: str) -> dict[str, Any]:
+    """`info`, `sleep`, `wake` (each answers the replica's info) or `worker` on the model's replica."""
+    handle = serve.get_deployment_handle(DEPLOYMENT, app_name=app)
+    result: dict[str, Any] = await getattr(handle, method).remote()
+    return result
+
+
+async def new_replica_info(app: str, deployed_at: float, timeout_s: float) -> dict[str, Any]:
+    """The info of the replica deployed at `deployed_at`, as soon as it answers: a call waits in the handle until
+    Serve routes to the replica, which it does as the replica starts running, while polling Serve's status every
+    `_POLL_S` (still watched here, for a failed start) saw it 0.2-0.5 s later. An answer from an older replica (one
+    still up from before the deploy) is set aside for the status poll and a second call."""
+    watch = asyncio.ensure_future(wait_loaded(app, timeout_s))
+    ask = asyncio.ensure_future(call_replica(app, "info"))
+    try:
+        done, _ = await asyncio.wait({watch, ask}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if ask in done and ask.exception() is None and ask.result().get("started_at", 0.0) >= deployed_at:
+            return ask.result()
+        await watch  # raises when the start failed or timed out
+        return await call_replica(app, "info")
+    finally:
+        watch.cancel()
+        ask.cancel()
+
+
+async def asleep(app: str) -> bool:
+    """Whether the app's replica is running and asleep (else a load deploys it afresh)."""
+    state = await asyncio.to_thread(app_state, app)
+    return state.running >= 1 and state.deployment_status == "HEALTHY" and await replica_asleep(app)
+
+
+async def replica_asleep(app: str) -> bool:
+    """Whether the app's running replica says it is asleep (unreachable counts as no)."""
+    with contextlib.suppress(Exception):
+        return bool((await call_replica(app, "info")).get("asleep"))
+    return False

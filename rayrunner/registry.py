@@ -116,7 +116,7 @@ class Registry(CapacityMixin):
             if (running or starting) and model_id in respecified and not await self._runs_spec(record.spec):
                 logger.info("config: redeploying `%s`, which runs the spec the config replaced", model_id)
                 self._start_load(record, mode="replace")
-            elif running and await _replica_asleep(record.spec.app_name):  # running is known: ask the replica
+            elif running and await model_apps.replica_asleep(record.spec.app_name):  # running is known: ask the replica
                 record.status, record.unload_mode = "unloaded", "sleep"
             elif running:
                 record.status = "loaded"
@@ -353,18 +353,18 @@ class Registry(CapacityMixin):
         app = record.spec.app_name
         if mode == "replace":
             await model_apps.delete(app)
-        if mode == "deploy" and record.unload_mode == "sleep" and await _asleep(app):
-            woken = await asyncio.wait_for(_replica_call(app, "wake"), self.config.load_timeout_s)
+        if mode == "deploy" and record.unload_mode == "sleep" and await model_apps.asleep(app):
+            woken = await asyncio.wait_for(model_apps.call_replica(app, "wake"), self.config.load_timeout_s)
             return woken, None  # the replica answered: it runs, and wake answers its info
-        deployed_at = None
-        if mode != "adopt":
-            deployed_at = time.time()
-            await self._bring_up(record.spec)
-        await model_apps.wait_loaded(app, self.config.load_timeout_s)
-        return await _replica_call(app, "info"), deployed_at
+        if mode == "adopt":
+            await model_apps.wait_loaded(app, self.config.load_timeout_s)
+            return await model_apps.call_replica(app, "info"), None
+        deployed_at = time.time()
+        await self._bring_up(record.spec)
+        return await model_apps.new_replica_info(app, deployed_at, self.config.load_timeout_s), deployed_at
 
     async def _spare_after(self, app: str, deployed_at: float) -> None:
-        worker = await _replica_call(app, "worker")
+        worker = await model_apps.call_replica(app, "worker")
         await asyncio.to_thread(self._spares.after_deploy, worker, deployed_at)
 
     async def _room_or_unloaded(self, record: ModelRecord) -> None:
@@ -384,7 +384,7 @@ class Registry(CapacityMixin):
             return
         self._mark_unloaded(record, reason, "sleep")
         try:
-            record.info = await _replica_call(record.spec.app_name, "sleep")
+            record.info = await model_apps.call_replica(record.spec.app_name, "sleep")
         except Exception:
             logger.exception("`%s` could not sleep: stopping it instead", record.spec.model_id)
             await self._scale_down(record, reason)
@@ -432,28 +432,6 @@ class Registry(CapacityMixin):
         self._changes += 1
         self._changed.set()  # wakes every routing_table long poll; later polls wait on a fresh event
         self._changed = asyncio.Event()
-
-
-async def _replica_call(app: str, method: str) -> dict[str, Any]:
-    """`info`, `sleep`, `wake` (each answers the replica's info) or `worker` on the model's replica."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle(model_apps.DEPLOYMENT, app_name=app)
-    result: dict[str, Any] = await getattr(handle, method).remote()
-    return result
-
-
-async def _asleep(app: str) -> bool:
-    """Whether the app's replica is running and asleep (else a load deploys it afresh)."""
-    state = await asyncio.to_thread(model_apps.app_state, app)
-    return state.running >= 1 and state.deployment_status == "HEALTHY" and await _replica_asleep(app)
-
-
-async def _replica_asleep(app: str) -> bool:
-    """Whether the app's running replica says it is asleep (unreachable counts as no)."""
-    with contextlib.suppress(Exception):
-        return bool((await _replica_call(app, "info")).get("asleep"))
-    return False
 
 
 RegistryActor = ray.remote(Registry)

@@ -122,15 +122,15 @@ def test_unload_frees_the_replica_and_its_memory(service: Service) -> None:
     assert added.status_code == 201, added.text
     info = service.handle.model_card.remote("smol").result()["info"]
     pid, weights = info["pid"], info["weight_bytes"]
-    assert psutil.pid_exists(pid)
-    used_before = psutil.virtual_memory().used
+    # The replica's own memory (USS: pages no other process shares) holds the weights, and goes with its process.
+    # Not the machine's used memory: the spare worker the load left behind imports torch meanwhile (~300 MB).
+    unique = psutil.Process(pid).memory_full_info().uss
+    assert unique >= weights, f"the replica holds {unique} bytes of its own, less than {weights} weight bytes"
     assert post(service, "unload", model_id="smol").json() == {"model_id": "smol", "status": "unloaded"}
     deadline = time.monotonic() + 30
     while psutil.pid_exists(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not psutil.pid_exists(pid)
-    freed = used_before - psutil.virtual_memory().used
-    assert freed >= 0.8 * weights, f"freed {freed} bytes of {weights} weight bytes"
     assert post(service, "remove", model_id="smol").status_code == 200
 
 
