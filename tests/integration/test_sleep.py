@@ -3,15 +3,17 @@ request or a reload wakes the same process; a sleeping model can still be stoppe
 
 from __future__ import annotations
 
-import time
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from ray import serve
 
 from rayrunner.deployments.model_server import DEPLOYMENT
+from rayrunner.sources import cache_dir
 from rayrunner.spec import model_app_name
 from tests.conftest import Service, model_entry
 
@@ -56,9 +58,12 @@ def test_reload_wakes_and_stop_ends_a_sleeping_model(service: Service) -> None:
     assert service.http.post("/v1/models/reload", json={"model_id": "napper"}).status_code == 200
     assert awake_pid(service, service.card("napper")) == pid  # the same process, woken
     assert unload(service, "sleep").status_code == 200
+    parked = cache_dir() / "parked" / f"{socket.gethostname()}-{pid}-napper.pt"
+    assert parked.is_file()  # the weights wait on disk (rayrunner.deployments.parked_weights)
     stopped = unload(service, "stop")  # a sleeping model may still be stopped: its replica goes
     assert stopped.status_code == 200 and stopped.json() == {"model_id": "napper", "status": "unloaded"}
     assert service.card("napper")["unload_mode"] == "stop" and service.card("napper")["held_bytes"] is None
+    assert not parked.exists()  # removed as the replica shut down
     assert service.chat("hi", model="napper", max_tokens=3).status_code == 200  # a fresh replica
     assert awake_pid(service, service.card("napper")) != pid
 
@@ -86,8 +91,8 @@ def test_a_stopped_model_loads_again_in_a_waiting_worker(service: Service) -> No
     for _ in range(2):  # the first deploy here may start cold; it leaves a spare behind for the second
         if service.card("napper")["status"] == "loaded":
             assert unload(service, "stop").status_code == 200
-        began = time.time()
+        running_before = set(psutil.pids())  # by pid: a young spare's start time is within psutil's 1 s error
         assert service.http.post("/v1/models/reload", json={"model_id": "napper"}).status_code == 200
     replica = serve.get_deployment_handle(DEPLOYMENT, app_name=model_app_name("napper"))
-    assert replica.worker.remote().result()["process_started_at"] < began - 1
+    assert replica.info.remote().result()["pid"] in running_before
     assert service.chat("hi", model="napper", max_tokens=3).status_code == 200
