@@ -344,7 +344,7 @@ class Registry(CapacityMixin):
             record.load_count += 1
             self._persist()
             metrics.model_loaded(spec.model_id, record.load_seconds, record.info.get("weight_bytes"))
-            if deployed_at is not None:  # the next replica on that node starts in a warm worker
+            if deployed_at is not None or mode == "adopt":  # the next replica on that node starts in a warm worker
                 self._spawn(self._spare_after(spec.app_name, deployed_at))
 
     async def _replica_up(self, record: ModelRecord, mode: LoadMode) -> tuple[dict[str, Any], float | None]:
@@ -363,9 +363,13 @@ class Registry(CapacityMixin):
         await self._bring_up(record.spec)
         return await model_apps.new_replica_info(app, deployed_at, self.config.load_timeout_s), deployed_at
 
-    async def _spare_after(self, app: str, deployed_at: float) -> None:
+    async def _spare_after(self, app: str, deployed_at: float | None) -> None:
+        """A spare worker for the node of the app's new replica (`deployed_at`: None for an adopted deploy)."""
         worker = await model_apps.call_replica(app, "worker")
-        await asyncio.to_thread(self._spares.after_deploy, worker, deployed_at)
+        if deployed_at is None:
+            await asyncio.to_thread(self._spares.after_adopt, worker)
+        else:
+            await asyncio.to_thread(self._spares.after_deploy, worker, deployed_at)
 
     async def _room_or_unloaded(self, record: ModelRecord) -> None:
         """Make room for the load; when there is none (too large, or no room in time) the model goes back to

@@ -24,10 +24,11 @@ import logging
 import time
 from typing import Any, cast
 
-from rayrunner.worker_preload import PRELOAD_ENV_VAR
-
 logger = logging.getLogger(__name__)
 
+# Not imported from rayrunner.worker_preload, which imports the model server when this is set: rayrunner's
+# __init__ imports this module, so the model server's own import of it would find it half-initialized.
+PRELOAD_ENV_VAR = "RAYRUNNER_PRELOAD"
 CLUSTER_ENV = {"RAY_preload_python_modules": "rayrunner.worker_preload"}  # read by the raylet when it starts
 REPLICA_RUNTIME_ENV = {"env_vars": {PRELOAD_ENV_VAR: "1"}}
 KEEP_ALIVE_S = 600
@@ -71,11 +72,22 @@ class WarmSpares:
         node_id, started_at = worker.get("node_id"), worker.get("process_started_at")
         if self.broken or not isinstance(node_id, str) or not isinstance(started_at, int | float):
             return
-        now = time.time()
         if started_at < deployed_at - WARM_MARGIN_S:
             self.waiting_until.pop(node_id, None)  # it ran in a waiting worker: ours, most likely
-        elif self.waiting_until.get(node_id, 0.0) > now:
+        elif self.waiting_until.get(node_id, 0.0) > time.time():
             return  # a fresh process although a spare waits there: it does not fit; do not pile up another
+        self._prestart(worker, node_id)
+
+    def after_adopt(self, worker: dict[str, Any]) -> None:
+        """After a model loaded by a deploy not the registry's own (a config's, at start): a spare for its node,
+        unless one already waits there."""
+        node_id = worker.get("node_id")
+        if self.broken or not isinstance(node_id, str) or self.waiting_until.get(node_id, 0.0) > time.time():
+            return
+        self._prestart(worker, node_id)
+
+    def _prestart(self, worker: dict[str, Any], node_id: str) -> None:
+        now = time.time()
         try:
             started = prestart_worker(worker, self.keep_alive_s)
         except Exception as exc:

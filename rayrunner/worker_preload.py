@@ -16,7 +16,8 @@ import importlib
 import logging
 import os
 
-PRELOAD_ENV_VAR = "RAYRUNNER_PRELOAD"
+from rayrunner.warm_workers import PRELOAD_ENV_VAR  # (it imports nothing of rayrunner's: no cycle)
+
 MODULES = (
     "torch",
     "transformers",

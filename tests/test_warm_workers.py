@@ -3,6 +3,9 @@ deploy took is replaced, and a spare that did not fit is not piled on."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -91,3 +94,24 @@ def test_a_node_gone_before_its_spare_is_asked_for_stops_nothing(monkeypatch: py
     assert not spares.broken and spares.waiting_until == {}
     deployed(spares, "n2", process_age_s=0)
     assert calls == ["n1", "n2"] and set(spares.waiting_until) == {"n2"}
+
+
+def test_a_model_a_config_deployed_gets_a_spare_unless_one_waits(started: list[str]) -> None:
+    spares = WarmSpares()
+    worker = {"node_id": "n1", "job_id": "01000000", "runtime_env": "{}", "process_started_at": time.time() - 60}
+    spares.after_adopt(worker)  # `serve run` deployed the model: the first stop must not start cold
+    spares.after_adopt({**worker, "node_id": "n2"})
+    spares.after_adopt(worker)  # a second model of the config on n1: the spare asked for already waits
+    assert started == ["n1", "n2"]
+
+
+def test_a_replica_worker_preloads_the_model_server() -> None:
+    """The import a model replica's worker runs as it starts (rayrunner.worker_preload with RAYRUNNER_PRELOAD=1)
+    gets through to the model server: rayrunner's __init__ imports warm_workers, which once imported worker_preload
+    back, so the model server's import of warm_workers failed half-way and the spares waited without it."""
+    code = ("import sys, rayrunner.worker_preload; "
+            "assert 'rayrunner.deployments.model_server' in sys.modules, 'model server not preloaded'")
+    env = {**os.environ, warm_workers.PRELOAD_ENV_VAR: "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "could not preload" not in done.stderr, done.stderr[-2000:]
