@@ -6,8 +6,8 @@ Waking this way skips all that rebuilding the engine repeats (config, tokenizer,
 again): SmolLM2 on CPU comes back in 0.09-0.15 s (bf16 0.15, Q8_0 0.09) against 0.5-0.8 s for a rebuild, and
 answers token for token as before. The file is written at the first sleep and again only when the model's tensors
 changed since (an adapter loaded); it is deleted when the engine closes, and a parked file whose process is gone
-(a replica killed while asleep) is removed by the next replica on the host that parks. Disk: the weights' size
-(269 MB for SmolLM2 bf16, 135 MB at Q8_0) in `$RAYRUNNER_CACHE_DIR/parked`.
+(a replica killed while asleep, a cluster stopped) is removed by the next replica on the host that starts or
+parks. Disk: the weights' size (269 MB for SmolLM2 bf16, 135 MB at Q8_0) in `$RAYRUNNER_CACHE_DIR/parked`.
 
 Weights made in inference mode would be inference tensors, and a Linear whose weight is one runs a sliced input
 through a bmm that copies the weight on every call (a 1-token chat took 1.7x as long after such a wake).
@@ -42,6 +42,7 @@ class ParkedWeights:
         self.path = self.folder / f"{_host_prefix()}{os.getpid()}-{name}.pt"
         self._written: tuple[Any, ...] | None = None  # what the file holds (see `_signature`)
         self._places: list[Place] | None = None  # where each parked tensor goes back, while parked
+        _remove_orphans(self.folder)
 
     @property
     def parked(self) -> bool:
@@ -109,6 +110,8 @@ def _host_prefix() -> str:
 
 def _remove_orphans(folder: Path) -> None:
     """Delete this host's parked files whose process has exited (a replica killed while asleep)."""
+    if not folder.is_dir():
+        return
     prefix = _host_prefix()
     for path in folder.glob(f"{prefix}*"):
         pid = path.name.removeprefix(prefix).split("-", 1)[0]

@@ -78,3 +78,6 @@ def test_parked_files_of_exited_processes_are_removed(tmp_path: Path) -> None:
     other_host.write_bytes(b"another host's")
     mine.park(Tied())
     assert not orphan.exists() and mine.path.exists() and other_host.exists()
+    orphan.write_bytes(b"left by a cluster that was stopped")
+    ParkedWeights("next-replica", tmp_path)  # a replica starting on the host sweeps too
+    assert not orphan.exists() and mine.path.exists()
