@@ -8,8 +8,8 @@ env when the node has one, so:
 - model replicas run with `REPLICA_RUNTIME_ENV` (`RAYRUNNER_PRELOAD=1`), and a cluster started by rayrunner (its
   scripts, the CLI, the Runner's own cluster, the tests) sets `CLUSTER_ENV`, which has every Ray worker import
   `rayrunner.worker_preload`: a worker with that variable imports the model stack as it starts;
-- after each deploy of a model, the registry asks that node's raylet for one spare worker with the replica's own
-  job and runtime env, kept alive `KEEP_ALIVE_S` (`WarmSpares`). It starts, imports, and waits; the next replica
+- after each deploy of a model (the registry's own, or a config's it adopted), the registry asks that node's raylet
+  for one spare worker with the replica's own job and runtime env, kept alive `KEEP_ALIVE_S` (`WarmSpares`). It starts, imports, and waits; the next replica
   started on the node takes it.
 
 Ray 2.60 has no public Python API for the raylet's PrestartWorkers call, so it goes through Ray's generated gRPC
