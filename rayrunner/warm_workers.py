@@ -9,8 +9,8 @@ env when the node has one, so:
   scripts, the CLI, the Runner's own cluster, the tests) sets `CLUSTER_ENV`, which has every Ray worker import
   `rayrunner.worker_preload`: a worker with that variable imports the model stack as it starts;
 - after each deploy of a model (the registry's own, or a config's it adopted), the registry asks that node's raylet
-  for one spare worker with the replica's own job and runtime env, kept alive `KEEP_ALIVE_S` (`WarmSpares`). It starts, imports, and waits; the next replica
-  started on the node takes it.
+  for one spare worker with the replica's own job and runtime env, kept alive `KEEP_ALIVE_S` (`WarmSpares`). It
+  starts, imports, and waits; the next replica started on the node takes it.
 
 Ray 2.60 has no public Python API for the raylet's PrestartWorkers call, so it goes through Ray's generated gRPC
 stub; if that fails, a warning is logged once and loads start cold, as before. At most one spare per node waits: a

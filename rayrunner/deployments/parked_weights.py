@@ -50,7 +50,7 @@ class ParkedWeights:
 
     def park(self, model: nn.Module) -> None:
         """Write the model's tensors (unless the file holds them already), then drop them from the model."""
-        slots = list(_slots(model))
+        slots = _slots(model)
         signature = _signature(slots)
         if signature != self._written:
             self._write([tensor for *_, tensor in slots])
