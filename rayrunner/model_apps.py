@@ -166,7 +166,7 @@ async def new_replica_info(app: str, deployed_at: float, timeout_s: float) -> di
     watch = asyncio.ensure_future(wait_loaded(app, timeout_s))
     ask = asyncio.ensure_future(call_replica(app, "info"))
     try:
-        done, _ = await asyncio.wait({watch, ask}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({watch, ask}, return_when=asyncio.FIRST_COMPLETED)  # watch has the deadline
         if ask in done and ask.exception() is None and ask.result().get("started_at", 0.0) >= deployed_at:
             return ask.result()
         await watch  # raises when the start failed or timed out

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+
 @dataclass
 class TokenLogprob:
     """One token's log probability under the model (before penalties, bias and temperature), with the `top` most
