@@ -6,7 +6,9 @@ in-situ quantization after the weights are in place (one module at a time, so no
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +17,7 @@ import torch
 from rayrunner.architectures import check_arch
 from rayrunner.errors import InvalidSpecError, ModelLoadError, RayRunnerError
 from rayrunner.load_progress import LoadProgress, for_model
+from rayrunner.quantization.model_cache import QuantizedModelCache
 from rayrunner.sources import ResolvedSource, resolve
 from rayrunner.spec import ModelSpec
 from rayrunner.which import GGUF
@@ -94,35 +97,64 @@ def load_model(spec: ModelSpec, auto_class: Any, with_processor: bool = False) -
     check_arch(getattr(spec.which, "arch", None), config.model_type)
     device = pick_device(spec.engine.device)
     dtype = pick_dtype(spec.which.dtype)
-    progress.phase("reading", device=device)
-    try:
-        # Weights are read into the replica's own memory rather than memory-mapped, so the memory a model uses
-        # is accounted to its replica and really freed when the replica exits on unload.
-        model = auto_class.from_pretrained(
-            source.path, gguf_file=source.gguf_file, dtype=dtype, device_map=device, disable_mmap=True
-        )
-        model.eval()
-        if source.gguf_file is not None:
-            model.hf_quantizer = None  # GGUF is dequantized on load; the in-memory weights are plain tensors
+    model, quantization = _model(spec, auto_class, source, device, dtype, progress)
+    with _as_load_error(spec):
         tok_path = tok_location or source.path
         tok_kwargs: dict[str, Any] = {} if tok_location else {"gguf_file": source.gguf_file}
         tokenizer = AutoTokenizer.from_pretrained(tok_path, **tok_kwargs)
         processor = AutoProcessor.from_pretrained(source.path) if with_processor else None
-    except RayRunnerError:
-        raise
-    except Exception as exc:
-        raise ModelLoadError(f"{spec.model_id}: {type(exc).__name__}: {exc}") from None
-    if spec.in_situ_quant is not None:
-        progress.phase("quantizing", in_situ_quant=spec.in_situ_quant)
-    quantization = _quantize(model, spec, device)
     progress.phase("warming up")
     return Loaded(model, tokenizer, processor, device, str(dtype).removeprefix("torch."), quantization,
                   time.perf_counter() - start)
 
 
-def _quantize(model: Any, spec: ModelSpec, device: str) -> dict[str, Any] | None:
+def _model(spec: ModelSpec, auto_class: Any, source: ResolvedSource, device: str, dtype: torch.dtype,
+           progress: LoadProgress) -> tuple[Any, dict[str, Any] | None]:
+    """The model and its quantization report: from the quantized model cache when it holds this load, else read
+    from the source and quantized in situ as the spec asks (then cached)."""
+    isq = spec.in_situ_quant if spec.engine.cache_quantized else None
+    cache = _quantized_cache(spec.model_id, source, device, dtype, auto_class, isq)
+    hit = cache is not None and cache.path.is_file()
+    progress.phase("reading", device=device, **({"quantized_cache": spec.in_situ_quant} if hit else {}))
+    cached = cache.load() if cache is not None and hit else None
+    if cached is not None:
+        return cached
+    with _as_load_error(spec):
+        # Weights are read into the replica's own memory rather than memory-mapped, so the memory a model uses
+        # is accounted to its replica and really freed when the replica exits on unload.
+        model = auto_class.from_pretrained(
+            source.path, gguf_file=source.gguf_file, dtype=dtype, device_map=device, disable_mmap=True
+        )
+    model.eval()
+    if source.gguf_file is not None:
+        model.hf_quantizer = None  # GGUF is dequantized on load; the in-memory weights are plain tensors
     if spec.in_situ_quant is None:
-        return None
+        return model, None
     from rayrunner.quantization import quantize_model
 
-    return quantize_model(model, spec.in_situ_quant, device)
+    progress.phase("quantizing", in_situ_quant=spec.in_situ_quant)
+    quantization = quantize_model(model, spec.in_situ_quant, device)
+    if cache is not None:
+        cache.save(model, quantization)
+    return model, quantization
+
+
+@contextlib.contextmanager
+def _as_load_error(spec: ModelSpec) -> Iterator[None]:
+    """Raise what fails inside as a ModelLoadError naming the model (rayrunner's own errors pass as they are)."""
+    try:
+        yield
+    except RayRunnerError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"{spec.model_id}: {type(exc).__name__}: {exc}") from None
+
+
+def _quantized_cache(model_id: str, source: ResolvedSource, device: str, dtype: torch.dtype, auto_class: Any,
+                     isq: str | None) -> QuantizedModelCache | None:
+    """Where a quantized load is kept whole (`quantization.model_cache`); None for a model in its own dtype."""
+    if isq is None:
+        return None
+    settings = {"isq": isq, "dtype": str(dtype), "device": device, "class": auto_class.__name__,
+                "gguf_file": source.gguf_file}
+    return QuantizedModelCache.for_load(model_id, source.path, settings)

@@ -41,6 +41,10 @@ class EngineSettings(BaseModel):
         512, ge=16, description="Prompt tokens prefilled per step (longer prompts take several steps)."
     )
     max_seq_len: int | None = Field(None, ge=1, description="Prompt + completion token limit.")
+    cache_quantized: bool = Field(
+        True, description="Keep the model, once quantized in situ, in a local file that later loads read instead of "
+        "loading and quantizing again (disk: the quantized weights' size; see `quantization.model_cache`)."
+    )
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none.")
     chat_template: str | None = Field(None, description="Jinja chat template overriding the model's.")
     max_adapters: int = Field(8, ge=1, description="Most LoRA adapters held loaded at once (least recently used "

@@ -79,6 +79,20 @@ def test_a_loading_model_shows_its_phase_and_a_loaded_one_none(service: Service)
         "resolving", "reading (device=cpu)", "quantizing (in_situ_quant=Q8_0)", "warming up", "ready"]
 
 
+def test_a_reload_reads_the_model_quantized_by_the_first_load(service: Service) -> None:
+    if service.card(QUANTIZED)["status"] != "loaded":  # loaded once (by the test before, when it ran)
+        first = service.http.post("/v1/models/reload", json={"model_id": QUANTIZED})
+        assert first.status_code == 200, first.text
+    assert service.http.post("/v1/models/unload", json={"model_id": QUANTIZED}).status_code == 200
+    answer, seen = reload_watching_the_card(service, QUANTIZED)
+    assert answer.status_code == 200, answer.text
+    assert "quantizing" not in [progress["phase"] for progress in seen]
+    phases = replica_log_phases(QUANTIZED)
+    assert "reading (device=cpu, quantized_cache=Q8_0)" in phases
+    assert phases.count("quantizing (in_situ_quant=Q8_0)") == 1  # only the first load of this folder quantized
+    assert service.chat("hello", model=QUANTIZED).status_code == 200
+
+
 def test_a_failed_load_leaves_no_progress_behind(service: Service) -> None:
     answer = service.http.post("/v1/models/reload", json={"model_id": WRONG_ARCH})
     assert answer.status_code == 500 and "expects model_type `qwen2`" in answer.json()["error"]["message"]
