@@ -8,13 +8,20 @@ import the model stack here, in the main thread before the worker takes any task
 and a replica given to it starts at once. Every other worker (Serve's controller and proxy, the router, the
 registry) imports nothing here. Importing in the main thread matters: transformers' lazy modules are not safe to
 import from two threads at once.
+
+The imports run at a lower CPU priority (nice +10) when the process may raise it back afterwards (CAP_SYS_NICE,
+or an `RLIMIT_NICE` that allows it): a spare started after a load then yields the CPU to the replicas serving their
+first requests instead of slowing them down for the ~4 s it imports.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
+import resource
+from collections.abc import Iterator
 
 from rayrunner.warm_workers import PRELOAD_ENV_VAR  # (it imports nothing of rayrunner's: no cycle)
 
@@ -27,15 +34,47 @@ MODULES = (
     "rayrunner.deployments.text_engine",
 )
 
+IMPORT_NICENESS = 10
+CAP_SYS_NICE = 23  # the capability's bit in /proc/<pid>/status
+
 logger = logging.getLogger(__name__)
 
 
 def preload() -> None:
-    for name in MODULES:
-        try:
-            importlib.import_module(name)
-        except Exception:  # a missing optional piece must never break a worker
-            logger.warning("rayrunner could not preload %s", name, exc_info=True)
+    with lower_priority(IMPORT_NICENESS):
+        for name in MODULES:
+            try:
+                importlib.import_module(name)
+            except Exception:  # a missing optional piece must never break a worker
+                logger.warning("rayrunner could not preload %s", name, exc_info=True)
+
+
+@contextlib.contextmanager
+def lower_priority(increment: int) -> Iterator[None]:
+    """Run the block `increment` nice levels lower, only when the process can return to its priority after it
+    (otherwise at its own priority: a replica must never be left slower than its peers)."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    if not _may_set_niceness(before):
+        yield
+        return
+    os.setpriority(os.PRIO_PROCESS, 0, before + increment)
+    try:
+        yield
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, before)
+
+
+def _may_set_niceness(niceness: int) -> bool:
+    """Whether this process may lower its niceness to `niceness`: its RLIMIT_NICE allows it (the limit is
+    20 - niceness), or it holds CAP_SYS_NICE (root in a container may not)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    if soft == resource.RLIM_INFINITY or 20 - niceness <= soft:
+        return True
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> CAP_SYS_NICE & 1)
+    return False
 
 
 if os.environ.get(PRELOAD_ENV_VAR) == "1":

@@ -115,3 +115,15 @@ def test_a_replica_worker_preloads_the_model_server() -> None:
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "could not preload" not in done.stderr, done.stderr[-2000:]
+
+
+def test_the_preload_imports_at_low_priority_and_gives_it_back() -> None:
+    """While a spare imports it yields the CPU to serving replicas; once done it is back at its own priority (a
+    replica must never run slower than its peers). Where the process could not raise it back, nothing changes."""
+    from rayrunner.worker_preload import _may_set_niceness, lower_priority
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    with lower_priority(10):
+        during = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before
+    assert during == (min(before + 10, 19) if _may_set_niceness(before) else before)
