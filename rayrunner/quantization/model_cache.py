@@ -6,7 +6,8 @@ the quantization report. Its name is a hash of everything the result depends on:
 modification time), the ISQ level, dtype, device and model class, the versions of torch, torchao and transformers,
 and the source of rayrunner's quantization modules (their classes are pickled by reference). Anything else changed
 gives another name; a file that cannot be read is removed and the model is loaded from its source instead. Saving
-a new file removes the model's older ones.
+a new file removes the model's older ones, then the least recently used files of other models while the folder
+holds more than `$RAYRUNNER_QUANTIZED_CACHE_GB` (default 20; a load marks its file used).
 
 SmolLM2 at Q8_0 on CPU: `from_pretrained` plus quantizing takes 0.8 s; reading the cached model 0.05 s, writing it
 0.15 s (135 MB). Only quantized models are cached: for a model in its own dtype the file would copy the source.
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json")
 LIBRARIES = ("torch", "torchao", "transformers")
+LIMIT_ENV_VAR = "RAYRUNNER_QUANTIZED_CACHE_GB"
+DEFAULT_LIMIT_GB = 20.0
 
 
 class QuantizedModelCache:
@@ -65,6 +68,8 @@ class QuantizedModelCache:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
             return None
+        with contextlib.suppress(OSError):
+            os.utime(self.path)  # used now: the last file a full folder gives up
         return model, report
 
     def save(self, model: nn.Module, report: dict[str, Any]) -> None:
@@ -82,6 +87,7 @@ class QuantizedModelCache:
                 partial.unlink()
             return
         self._remove_older()
+        self._trim(_limit_bytes())
 
     def _remove_older(self) -> None:
         model_part = self.path.name.rsplit("-", 1)[0]
@@ -89,6 +95,22 @@ class QuantizedModelCache:
             if other != self.path and other.name.rsplit("-", 1)[0] == model_part:
                 with contextlib.suppress(FileNotFoundError):
                     other.unlink()
+
+    def _trim(self, limit: int) -> None:
+        """Remove other models' files, least recently used first, while the folder holds more than `limit`."""
+        files = []
+        for path in self.path.parent.glob("*.pt"):
+            with contextlib.suppress(FileNotFoundError):
+                files.append((path.stat().st_mtime, path.stat().st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= limit:
+                return
+            if path != self.path:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    logger.info("removed %s from the quantized model cache (over %d bytes)", path.name, limit)
+                total -= size
 
 
 @contextlib.contextmanager
@@ -101,6 +123,16 @@ def _without_instance_reprs(model: nn.Module) -> Any:
     finally:
         for module, extra_repr in taken:
             module.__dict__["extra_repr"] = extra_repr
+
+
+def _limit_bytes() -> int:
+    value = os.environ.get(LIMIT_ENV_VAR)
+    try:
+        gigabytes = float(value) if value else DEFAULT_LIMIT_GB
+    except ValueError:
+        logger.warning("ignoring %s=%r (not a number of GB)", LIMIT_ENV_VAR, value)
+        gigabytes = DEFAULT_LIMIT_GB
+    return int(gigabytes * 2**30)
 
 
 def _weight_files(folder: Path) -> list[tuple[str, int, int]]:

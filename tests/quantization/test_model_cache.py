@@ -43,9 +43,10 @@ def greedy(loaded: Loaded) -> list[int]:
 def test_a_second_load_reads_the_quantized_model_and_answers_the_same(weights: Path, isq: str) -> None:
     first = load(weights, isq)
     [cached] = cached_files(weights)
-    written = cached.stat().st_mtime_ns
+    written = cached.stat()
     second = load(weights, isq)
-    assert cached_files(weights) == [cached] and cached.stat().st_mtime_ns == written  # read, not quantized again
+    assert cached_files(weights) == [cached] and cached.stat().st_ino == written.st_ino  # read, not written again
+    assert cached.stat().st_mtime_ns > written.st_mtime_ns  # marked used
     assert second.quantization == first.quantization
     assert [type(m) for m in second.model.modules()] == [type(m) for m in first.model.modules()]
     assert greedy(second) == greedy(first)
@@ -76,3 +77,20 @@ def test_nothing_is_cached_without_isq_or_when_turned_off(weights: Path) -> None
     load(weights, isq=None)
     load(weights, cache_quantized=False)
     assert cached_files(weights) == []
+
+
+def test_a_full_folder_gives_up_the_least_recently_used_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    from rayrunner.quantization.model_cache import LIMIT_ENV_VAR, QuantizedModelCache
+
+    folder = tmp_path / "quantized"
+    folder.mkdir()
+    for age, name in enumerate(["newest", "middle", "oldest"]):
+        (folder / f"{name}_0-0.pt").write_bytes(b"x" * 400_000)
+        os.utime(folder / f"{name}_0-0.pt", (0, 1_000_000 - age))
+    monkeypatch.setenv(LIMIT_ENV_VAR, str(500_000 / 2**30))
+    cache = QuantizedModelCache(folder / "new_0-1.pt")
+    cache.save(torch.nn.Linear(4, 4), {"applied": "test"})
+    assert sorted(path.name for path in folder.glob("*.pt")) == ["new_0-1.pt", "newest_0-0.pt"]  # oldest first
+    loaded = cache.load()
+    assert loaded is not None and isinstance(loaded[0], torch.nn.Linear) and loaded[1] == {"applied": "test"}
