@@ -61,7 +61,17 @@ def lower_priority(increment: int) -> Iterator[None]:
     try:
         yield
     finally:
-        os.setpriority(os.PRIO_PROCESS, 0, before)
+        for thread in _thread_ids():  # threads started inside took the lower priority too (Linux: per thread)
+            with contextlib.suppress(OSError):  # one that has exited meanwhile
+                os.setpriority(os.PRIO_PROCESS, thread, before)
+
+
+def _thread_ids() -> list[int]:
+    """This process's threads (only the calling one where /proc is missing)."""
+    try:
+        return [int(name) for name in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
 
 
 def _may_set_niceness(niceness: int) -> bool:

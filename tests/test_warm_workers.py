@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -118,12 +120,24 @@ def test_a_replica_worker_preloads_the_model_server() -> None:
 
 
 def test_the_preload_imports_at_low_priority_and_gives_it_back() -> None:
-    """While a spare imports it yields the CPU to serving replicas; once done it is back at its own priority (a
-    replica must never run slower than its peers). Where the process could not raise it back, nothing changes."""
+    """While a spare imports it yields the CPU to serving replicas; once done, it and every thread started meanwhile
+    (an import may start native threads) are back at its own priority (a replica must never run slower than its
+    peers). Where the process could not raise it back, nothing changes."""
     from rayrunner.worker_preload import _may_set_niceness, lower_priority
 
+    def niceness(thread_id: int) -> int:
+        return int(Path(f"/proc/self/task/{thread_id}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
     before = os.getpriority(os.PRIO_PROCESS, 0)
+    release = threading.Event()
+    started_inside = threading.Thread(target=release.wait)
     with lower_priority(10):
         during = os.getpriority(os.PRIO_PROCESS, 0)
-    assert os.getpriority(os.PRIO_PROCESS, 0) == before
+        started_inside.start()
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, 0) == before
+        assert started_inside.native_id is not None and niceness(started_inside.native_id) == before
+    finally:
+        release.set()
+        started_inside.join()
     assert during == (min(before + 10, 19) if _may_set_niceness(before) else before)
