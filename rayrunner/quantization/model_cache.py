@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json")
 LIBRARIES = ("torch", "torchao", "transformers")
 LIMIT_ENV_VAR = "RAYRUNNER_QUANTIZED_CACHE_GB"
 DEFAULT_LIMIT_GB = 20.0
+STALE_PARTIAL_S = 3600.0  # a partial file this old was left by a process that died while writing it
 
 
 class QuantizedModelCache:
@@ -97,7 +99,12 @@ class QuantizedModelCache:
                     other.unlink()
 
     def _trim(self, limit: int) -> None:
-        """Remove other models' files, least recently used first, while the folder holds more than `limit`."""
+        """Remove other models' files, least recently used first, while the folder holds more than `limit`, and
+        partial files left by writers that died."""
+        for partial in self.path.parent.glob("*.partial"):
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - partial.stat().st_mtime > STALE_PARTIAL_S:
+                    partial.unlink()
         files = []
         for path in self.path.parent.glob("*.pt"):
             with contextlib.suppress(FileNotFoundError):

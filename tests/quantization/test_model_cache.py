@@ -88,9 +88,13 @@ def test_a_full_folder_gives_up_the_least_recently_used_files(tmp_path: Path, mo
     for age, name in enumerate(["newest", "middle", "oldest"]):
         (folder / f"{name}_0-0.pt").write_bytes(b"x" * 400_000)
         os.utime(folder / f"{name}_0-0.pt", (0, 1_000_000 - age))
+    (folder / "dead.pt.1.partial").write_bytes(b"x")  # a writer that died an hour ago
+    os.utime(folder / "dead.pt.1.partial", (0, 1_000_000))
+    (folder / "busy.pt.2.partial").write_bytes(b"x")  # one writing now
     monkeypatch.setenv(LIMIT_ENV_VAR, str(500_000 / 2**30))
     cache = QuantizedModelCache(folder / "new_0-1.pt")
     cache.save(torch.nn.Linear(4, 4), {"applied": "test"})
     assert sorted(path.name for path in folder.glob("*.pt")) == ["new_0-1.pt", "newest_0-0.pt"]  # oldest first
+    assert [path.name for path in folder.glob("*.partial")] == ["busy.pt.2.partial"]
     loaded = cache.load()
     assert loaded is not None and isinstance(loaded[0], torch.nn.Linear) and loaded[1] == {"applied": "test"}
