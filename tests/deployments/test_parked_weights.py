@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -39,6 +40,42 @@ def test_park_drops_every_tensor_and_restore_brings_the_same_ones_back(tmp_path:
     assert not weights.parked
     assert torch.equal(model(ids), expected)
     assert model.head.weight is model.embed.weight  # tied again, not two copies
+
+
+def test_weights_parked_in_host_memory_come_back_shared_and_as_parameters(tmp_path: Path) -> None:
+    model, ids = Tied(), torch.tensor([[1, 2, 3]])
+    expected = model(ids)
+    weights = ParkedWeights("tied", tmp_path)
+    with torch.inference_mode():  # as the step loop calls it
+        weights.park(model, host_memory=True)
+    assert weights.parked and model.body.weight is None and not weights.path.exists()  # no file
+    with torch.inference_mode():
+        weights.restore()
+    assert not weights.parked
+    assert model.head.weight is model.embed.weight and isinstance(model.body.weight, nn.Parameter)
+    assert not any(tensor.is_inference() for tensor in model.state_dict().values())
+    assert torch.equal(model(ids), expected)
+
+
+def test_cpu_weights_go_to_the_file_by_default(tmp_path: Path) -> None:
+    weights = ParkedWeights("tied", tmp_path)
+    weights.park(Tied())
+    assert weights.path.exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_weights_park_in_host_memory_and_free_the_gpu(tmp_path: Path) -> None:
+    model, ids = Tied().cuda(), torch.tensor([[1, 2, 3]], device="cuda")
+    expected = model(ids)
+    before = torch.cuda.memory_allocated()
+    weights = ParkedWeights("tied", tmp_path)
+    weights.park(model)
+    torch.cuda.empty_cache()
+    assert not weights.path.exists() and torch.cuda.memory_allocated() < before
+    weights.restore()
+    assert model.body.weight.device.type == "cuda" and model.head.weight is model.embed.weight
+    assert torch.equal(model(ids), expected)
 
 
 def test_quantized_modules_park_and_come_back_exactly(tmp_path: Path) -> None:
