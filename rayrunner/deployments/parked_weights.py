@@ -45,7 +45,7 @@ class ParkedWeights:
         self.path = self.folder / f"{_host_prefix()}{os.getpid()}-{name}.pt"
         self._written: tuple[Any, ...] | None = None  # what the file holds (see `_signature`)
         self._places: list[Place] | None = None  # where each parked tensor goes back, while parked
-        self._in_host: list[tuple[torch.Tensor, torch.device]] | None = None  # host copies, when parked there
+        self._in_host: tuple[list[torch.Tensor], list[torch.device]] | None = None  # copies and their devices
         _remove_orphans(self.folder)
 
     @property
@@ -61,7 +61,8 @@ class ParkedWeights:
             host_memory = _fit_in_host_memory(tensors)
         if host_memory:
             with torch.inference_mode(False):  # normal tensors, though the step loop calls this in inference mode
-                self._in_host = _host_copies(tensors)
+                host = _moved(tensors, [torch.device("cpu")] * len(tensors))
+            self._in_host = host, [tensor.device for tensor in tensors]
         elif (signature := _signature(slots)) != self._written:
             self._write(tensors)
             self._written = signature
@@ -75,10 +76,9 @@ class ParkedWeights:
         if self._places is None:
             return
         with torch.inference_mode(False):  # normal tensors, though the step loop calls this in inference mode
-            if self._in_host is not None:
-                tensors = _device_copies(self._in_host)
-            else:
-                tensors = torch.load(self.path, weights_only=False)  # our own file, written by `park`
+            # the file is our own, written by `park`
+            tensors = (_moved(*self._in_host) if self._in_host is not None
+                       else torch.load(self.path, weights_only=False))
         for (module, kind, name), tensor in zip(self._places, tensors, strict=True):
             getattr(module, kind)[name] = tensor
         self._places, self._in_host = None, None
@@ -119,22 +119,13 @@ def _fit_in_host_memory(tensors: list[torch.Tensor]) -> bool:
     return size <= HOST_SHARE * psutil.virtual_memory().available
 
 
-def _host_copies(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.device]]:
-    """Each tensor copied to host memory, with the device it goes back to (a shared tensor is copied once)."""
+def _moved(tensors: list[torch.Tensor], devices: list[torch.device]) -> list[torch.Tensor]:
+    """Each tensor copied to its device in `devices` (a tensor shared by several places is copied once)."""
     copies: dict[int, torch.Tensor] = {}
-    for tensor in tensors:
+    for tensor, device in zip(tensors, devices, strict=True):
         if id(tensor) not in copies:
-            copies[id(tensor)] = _same_kind(tensor, tensor.to("cpu"))
-    return [(copies[id(tensor)], tensor.device) for tensor in tensors]
-
-
-def _device_copies(parked: list[tuple[torch.Tensor, torch.device]]) -> list[torch.Tensor]:
-    """The host copies back on their devices (a shared one once)."""
-    copies: dict[int, torch.Tensor] = {}
-    for host, device in parked:
-        if id(host) not in copies:
-            copies[id(host)] = _same_kind(host, host.to(device))
-    return [copies[id(host)] for host, _ in parked]
+            copies[id(tensor)] = _same_kind(tensor, tensor.to(device))
+    return [copies[id(tensor)] for tensor in tensors]
 
 
 def _same_kind(original: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
