@@ -28,6 +28,7 @@ import psutil
 import torch
 from torch import nn
 
+from rayrunner.quantization.weights import weight_bytes
 from rayrunner.sources import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class ParkedWeights:
         slots = _slots(model)
         tensors = [tensor for *_, tensor in slots]
         if host_memory is None:
-            host_memory = _fit_in_host_memory(tensors)
+            host_memory = _fit_in_host_memory(model, tensors)
         if host_memory:
             with torch.inference_mode(False):  # normal tensors, though the step loop calls this in inference mode
                 host = _moved(tensors, [torch.device("cpu")] * len(tensors))
@@ -111,12 +112,11 @@ def _slots(model: nn.Module) -> list[tuple[str, nn.Module, str, str, torch.Tenso
             for name, tensor in getattr(module, kind).items() if tensor is not None]
 
 
-def _fit_in_host_memory(tensors: list[torch.Tensor]) -> bool:
-    """Whether these are accelerator weights that host memory has room for."""
+def _fit_in_host_memory(model: nn.Module, tensors: list[torch.Tensor]) -> bool:
+    """Whether the model's tensors are accelerator weights that host memory has room for."""
     if all(tensor.device.type == "cpu" for tensor in tensors):
         return False  # parking CPU weights in host memory would free nothing
-    size = sum({id(tensor): tensor.nbytes for tensor in tensors}.values())
-    return size <= HOST_SHARE * psutil.virtual_memory().available
+    return weight_bytes(model) <= HOST_SHARE * psutil.virtual_memory().available
 
 
 def _moved(tensors: list[torch.Tensor], devices: list[torch.device]) -> list[torch.Tensor]:

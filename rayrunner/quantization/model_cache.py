@@ -18,6 +18,7 @@ a repr, so it is left out of the file.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -108,7 +109,8 @@ class QuantizedModelCache:
         files = []
         for path in self.path.parent.glob("*.pt"):
             with contextlib.suppress(FileNotFoundError):
-                files.append((path.stat().st_mtime, path.stat().st_size, path))
+                stat = path.stat()
+                files.append((stat.st_mtime, stat.st_size, path))
         total = sum(size for _, size, _ in files)
         for _, size, path in sorted(files):
             if total <= limit:
@@ -144,16 +146,19 @@ def _limit_bytes() -> int:
 
 def _weight_files(folder: Path) -> list[tuple[str, int, int]]:
     """Name, size and modification time of the folder's weight and config files (links followed)."""
-    return sorted((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in folder.iterdir()
-                  if path.is_file() and path.name.endswith(WEIGHT_SUFFIXES))
+    stats = {path.name: path.stat() for path in folder.iterdir()
+             if path.is_file() and path.name.endswith(WEIGHT_SUFFIXES)}
+    return sorted((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats.items())
 
 
+@functools.cache
 def _library_versions() -> dict[str, str]:
     return {name: importlib.metadata.version(name) for name in LIBRARIES}
 
 
+@functools.cache
 def _quantization_code() -> str:
-    """A hash of this package's source: its module classes are pickled by reference."""
+    """A hash of this package's source (read once per process): its module classes are pickled by reference."""
     digest = hashlib.sha256()
     for path in sorted(Path(__file__).parent.glob("*.py")):
         digest.update(path.read_bytes())
