@@ -6,8 +6,9 @@ Every step it
    tokens: several short prompts as one padded batch, or the next `prefill_chunk_tokens` of one long prompt, so
    running streams wait at most one chunk per step (a request for a LoRA adapter waits while `max_adapters` other
    adapters are in use),
-3. decodes one token for every running sequence in one forward pass over the shared `BatchCache`, with each
-   sequence's own sampling settings (`sampling.sample`), and retires the ones that finished.
+3. decodes one token for every running sequence in one forward pass over the shared `BatchCache` (`fast_decode`'s
+   step for the Llama family without LoRA adapters, else the model's forward), with each sequence's own sampling
+   settings (`sampling.sample`), and retires the ones that finished.
 Sequences join and leave between steps without recomputing anyone else's cache. Past `max_queued_requests` waiting
 sequences, `submit` refuses with `ServerOverloadedError` (HTTP 429). The loop runs on the engine's `ComputeThread`,
 the thread that loaded the model (`compute_thread` says why one thread does all the work). With LoRA adapters, every
@@ -34,6 +35,7 @@ from rayrunner import metrics
 from rayrunner.deployments.compute_thread import ComputeThread
 from rayrunner.deployments.detokenizer import Detokenizer
 from rayrunner.deployments.engine import GenerationEvent, TokenLogprob
+from rayrunner.deployments.fast_decode import FastDecode
 from rayrunner.deployments.kv_batch import BatchCache, mergeable, new_cache
 from rayrunner.deployments.lora import LoraAdapters
 from rayrunner.deployments.sampling import Logprob, SamplingParams, logprobs_of, sample
@@ -67,6 +69,7 @@ class StepScheduler:
         self.model = model
         self.model_id = model_id
         self.adapters = adapters
+        self.fast_decode: FastDecode | None = None  # set by `start`, on the compute thread
         self.device = model.device
         self.limits = limits
         self.max_running = limits.max_num_seqs if mergeable(model.config) else 1
@@ -141,7 +144,10 @@ class StepScheduler:
         return [*self._running, *self._prefilling, *([self._chunking[0]] if self._chunking else [])]
 
     def start(self, compute: ComputeThread) -> None:
-        """Run steps on `compute` whenever there is work (tests may instead call `step` themselves)."""
+        """Run steps on `compute` whenever there is work (tests may instead call `step` themselves). The fast decode
+        step is made there too: it concatenates weights, and a torch op in another thread slows every later one
+        (`compute_thread`)."""
+        self.fast_decode = compute.call(FastDecode.for_model, self.model)
         self._loop_done = compute.submit(self._loop)
 
     def check_health(self) -> None:
@@ -349,7 +355,12 @@ class StepScheduler:
         ids = torch.tensor([[s.output_ids[-1]] for s in running], dtype=torch.long, device=self.device)
 
         def run() -> None:
-            logits = self._forward(running, ids, batch.mask_with(1), batch.next_positions(), batch)
+            if self.fast_decode is not None and (self.adapters is None or self.adapters.peft is None):
+                mask = batch.mask_with(1)
+                logits = self.fast_decode.step(ids, mask, batch.next_positions(), batch.cache)
+                batch.grew(mask)
+            else:
+                logits = self._forward(running, ids, batch.mask_with(1), batch.next_positions(), batch)
             self._sample(running, logits[:, -1, :])
 
         self._guarded(running, run)

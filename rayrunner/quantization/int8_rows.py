@@ -93,3 +93,22 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def share_storage(linears: list[Int8Linear]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Concatenate the weights of Linears that read the same input (a layer's q/k/v, gate/up) into one qdata and one
+    scale, which each Linear then holds a view of: one kernel call computes them all, with no second copy in memory.
+    None (and nothing changed) when they cannot share: a bias, different widths or dtypes, or already views."""
+    first = linears[0]
+    if any(linear.bias is not None or linear.qdata.shape[1] != first.qdata.shape[1]
+           or linear.scale.dtype != first.scale.dtype or linear.qdata._base is not None for linear in linears):
+        return None
+    qdata = torch.cat([linear.qdata for linear in linears])
+    scale = torch.cat([linear.scale for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.out_features
+        linear.qdata, linear.scale = qdata[start:start + rows], scale[start:start + rows]
+        start += rows
+    return qdata, scale
+

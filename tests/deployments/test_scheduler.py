@@ -55,6 +55,10 @@ async def test_greedy_reply_is_the_same_alone_and_inside_a_busy_batch(smollm2: T
     assert await _busy(smollm2, "What is the capital of France?") == alone
 
 
+def test_smollm2_decodes_with_the_fast_step(smollm2: TextEngine) -> None:
+    assert smollm2.scheduler.fast_decode is not None  # a Llama: `fast_decode` covers it
+
+
 async def test_seeded_reply_is_the_same_alone_and_batched() -> None:
     """In float32: bf16 kernels round a row differently inside a padded batch, and a sampled reply (unlike a greedy
     one, whose margins are wide) can then take another path at a near-tie between two candidates."""

@@ -73,3 +73,26 @@ def test_int8_linear_replaces_a_linear_with_its_bias(rows: int) -> None:
         got, want = quantized(x), linear(x)
     assert got.shape == want.shape == (2, rows, 48)
     assert relative_error(got, want) < 0.02
+
+
+def test_linears_reading_one_input_share_one_tensor() -> None:
+    linears = [Int8Linear(*quantize_rows(randn(rows, 64, seed=rows)), None) for rows in (48, 16, 16)]
+    x = randn(3, 64, seed=9)
+    alone = [linear(x) for linear in linears]
+    shared = int8_rows.share_storage(linears)
+    assert shared is not None
+    qdata, scale = shared
+    assert qdata.shape == (80, 64) and scale.shape == (80,)
+    assert all(linear.qdata.untyped_storage().data_ptr() == qdata.untyped_storage().data_ptr() for linear in linears)
+    assert torch.equal(int8_matmul(x, qdata, scale), torch.cat(alone, dim=-1))
+    assert all(torch.equal(linear(x), out) for linear, out in zip(linears, alone, strict=True))
+    assert int8_rows.share_storage(linears) is None  # already views: left as they are
+
+
+def test_linears_with_a_bias_or_other_widths_keep_their_own_tensors() -> None:
+    with_bias = [Int8Linear(*quantize_rows(randn(16, 64)), randn(16)), Int8Linear(*quantize_rows(randn(16, 64)), None)]
+    widths = [Int8Linear(*quantize_rows(randn(16, 64)), None), Int8Linear(*quantize_rows(randn(16, 32)), None)]
+    for linears in (with_bias, widths):
+        before = [linear.qdata for linear in linears]
+        assert int8_rows.share_storage(linears) is None
+        assert all(linear.qdata is tensor for linear, tensor in zip(linears, before, strict=True))

@@ -1,0 +1,150 @@
+"""`FastDecode` on a tiny random Llama: its decode step gives the logits and KV cache of transformers' forward, for
+rows of different lengths (left padding), in float32 and with int8 weights that share one tensor per layer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from rayrunner.deployments.fast_decode import SHARED_QDATA, SHARED_SCALE, FastDecode
+from rayrunner.deployments.kv_batch import BatchCache, new_cache
+from rayrunner.deployments.parked_weights import ParkedWeights
+from rayrunner.quantization import quantize_model, weight_bytes
+
+PROMPTS = [[5, 9, 14, 3, 7], [21, 4, 8, 30, 11, 2, 19, 6, 12], [40, 41, 42]]  # left-padded to 9 in one batch
+
+
+def _model(folder: str, dtype: torch.dtype, isq: str | None = None) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    if isq is not None:
+        quantize_model(model, isq, "cpu")
+    return model
+
+
+@torch.inference_mode()
+def _prefilled(model: torch.nn.Module) -> BatchCache:
+    """A batch of `PROMPTS`, each prefilled alone and merged (as the scheduler does)."""
+    batch = None
+    for prompt in PROMPTS:
+        cache = BatchCache(new_cache(model.config), torch.zeros((1, 0), dtype=torch.long))
+        mask = cache.mask_with(len(prompt))
+        model(input_ids=torch.tensor([prompt]), attention_mask=mask, position_ids=torch.arange(len(prompt))[None],
+              cache=cache.cache)
+        cache.grew(mask)
+        if batch is None:
+            batch = cache
+        else:
+            batch.merge(cache)
+    assert batch is not None
+    return batch
+
+
+@torch.inference_mode()
+def _decode(model: torch.nn.Module, fast: FastDecode | None, steps: int) -> tuple[list[torch.Tensor], BatchCache]:
+    """`steps` greedy decode steps over the batch: each step's logits, and the cache at the end."""
+    batch = _prefilled(model)
+    ids = torch.tensor([[prompt[-1]] for prompt in PROMPTS])
+    every = []
+    for _ in range(steps):
+        mask = batch.mask_with(1)
+        if fast is None:
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=batch.next_positions(),
+                           cache=batch.cache, logits_to_keep=1).logits
+        else:
+            logits = fast.step(ids, mask, batch.next_positions(), batch.cache)
+        batch.grew(mask)
+        every.append(logits.float())
+        ids = logits[:, -1].argmax(-1, keepdim=True)
+    return every, batch
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def test_float32_step_matches_transformers_forward(tiny_llama_dir: str) -> None:
+    model = _model(tiny_llama_dir, torch.float32)
+    fast = FastDecode.for_model(model)
+    assert fast is not None
+    want, want_cache = _decode(model, None, steps=4)
+    got, got_cache = _decode(model, fast, steps=4)
+    for got_logits, want_logits in zip(got, want, strict=True):
+        assert got_logits.shape == want_logits.shape == (len(PROMPTS), 1, model.config.vocab_size)
+        assert _relative(got_logits, want_logits) < 1e-4
+    for mine, theirs in zip(got_cache.cache.layers, want_cache.cache.layers, strict=True):
+        assert torch.allclose(mine.keys, theirs.keys, atol=1e-5) and torch.allclose(mine.values, theirs.values,
+                                                                                     atol=1e-5)
+
+
+def test_int8_weights_share_one_tensor_per_layer_and_decode_alike(tiny_llama_dir: str) -> None:
+    model = _model(tiny_llama_dir, torch.bfloat16, "Q8_0")
+    want, _ = _decode(model, None, steps=4)
+    size = weight_bytes(model)
+    fast = FastDecode.for_model(model)
+    assert fast is not None
+    assert weight_bytes(model) == size  # views of the shared tensors, no second copy
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    for owner, names in ((attention, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
+        shared = getattr(owner, SHARED_QDATA)
+        assert shared.shape[0] == sum(getattr(owner, name).out_features for name in names)
+        assert all(getattr(owner, name).qdata.untyped_storage().data_ptr() == shared.untyped_storage().data_ptr()
+                   for name in names)
+    got, _ = _decode(model, fast, steps=4)
+    for got_logits, want_logits in zip(got, want, strict=True):
+        assert _relative(got_logits, want_logits) < 0.02  # bf16: attention is computed another way
+    assert [step.argmax(-1).tolist() for step in got] == [step.argmax(-1).tolist() for step in want]
+
+
+def test_parked_and_restored_weights_keep_their_sharing(tiny_llama_dir: str, tmp_path: Path) -> None:
+    model = _model(tiny_llama_dir, torch.bfloat16, "Q8_0")
+    fast = FastDecode.for_model(model)
+    assert fast is not None
+    before, _ = _decode(model, fast, steps=2)
+    parked = ParkedWeights("tiny", tmp_path)
+    parked.park(model)
+    assert getattr(model.model.layers[0].self_attn, SHARED_QDATA) is None  # freed while asleep
+    parked.restore()
+    attention = model.model.layers[0].self_attn
+    assert (attention.q_proj.qdata.untyped_storage().data_ptr()
+            == getattr(attention, SHARED_QDATA).untyped_storage().data_ptr())
+    assert getattr(attention, SHARED_SCALE) is not None
+    after, _ = _decode(model, fast, steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    parked.discard()
+
+
+def test_models_it_does_not_cover_keep_their_own_forward(tiny_llama_dir: str) -> None:
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    assert FastDecode.for_model(qwen3) is None  # its attention normalises queries and keys
+    hooked = _model(tiny_llama_dir, torch.float32)
+    hooked.model.layers[0].mlp.register_forward_hook(lambda *_: None)
+    assert FastDecode.for_model(hooked) is None
+
+
+@pytest.mark.parametrize("rows", [1, 20])  # the int8 kernel's row count, and past it (conversion)
+def test_batch_sizes_on_both_int8_paths_match_the_forward(tiny_llama_dir: str, rows: int) -> None:
+    model = _model(tiny_llama_dir, torch.bfloat16, "Q8_0")
+    fast = FastDecode.for_model(model)
+    assert fast is not None
+    prompt = torch.arange(6).repeat(rows, 1) + torch.arange(rows)[:, None]
+    logits = []
+    for step in (None, fast):
+        with torch.inference_mode():
+            batch = BatchCache(new_cache(model.config), torch.zeros((rows, 0), dtype=torch.long))
+            mask = batch.mask_with(6)
+            model(input_ids=prompt, attention_mask=mask, position_ids=torch.arange(6).repeat(rows, 1),
+                  cache=batch.cache)
+            batch.grew(mask)
+            ids, mask = prompt[:, -1:], batch.mask_with(1)
+            if step is None:
+                out = model(input_ids=ids, attention_mask=mask, position_ids=batch.next_positions(),
+                            cache=batch.cache, logits_to_keep=1).logits
+            else:
+                out = step.step(ids, mask, batch.next_positions(), batch.cache)
+        logits.append(out.float())
+    assert logits[1].shape == logits[0].shape == (rows, 1, model.config.vocab_size)
+    assert _relative(logits[1], logits[0]) < 0.02
