@@ -33,6 +33,7 @@ from rayrunner.quantization.int8_rows import KERNEL_IN_MULTIPLE, KERNEL_MAX_ROWS
 
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 FLOAT32_ATTENTION_MAX = 2048  # cached positions over all rows up to which attention runs in float32 (see above)
+QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 SHARED_QDATA, SHARED_SCALE = "shared_qdata", "shared_scale"  # buffers of an attention or MLP module (see above)
 _INT8_KERNEL = torch.ops.aten._weight_int8pack_mm
 
@@ -49,8 +50,9 @@ class FastDecode:
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
         self.intermediate = int(config.intermediate_size)
         for layer in model.model.layers:
-            _share(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
-            _share(layer.mlp, ("gate_proj", "up_proj"))
+            _share(layer.self_attn, QKV)
+            _share(layer.mlp, GATE_UP)
+        self.layers = [_Layer(layer) for layer in model.model.layers[: config.num_hidden_layers]]
 
     @classmethod
     def for_model(cls, model: Any) -> FastDecode | None:
@@ -80,21 +82,28 @@ class FastDecode:
         bias = _padding_bias(mask)
         kernel = hidden.dtype == torch.bfloat16 and ids.shape[0] <= KERNEL_MAX_ROWS
         rows, heads, kv_heads, dim = ids.shape[0], self.heads, self.kv_heads, self.head_dim
-        for index, layer in enumerate(inner.layers[: self.model.config.num_hidden_layers]):
-            attention, mlp = layer.self_attn, layer.mlp
-            qkv = _projections(attention, ("q_proj", "k_proj", "v_proj"), _rms_norm(layer.input_layernorm, hidden),
-                               kernel).view(rows, heads + 2 * kv_heads, dim)
+        for index, layer in enumerate(self.layers):
+            qkv = _projections(layer.attention, QKV, _rms_norm(layer.input_norm, hidden), kernel)
+            qkv = qkv.view(rows, heads + 2 * kv_heads, dim)
             both = qkv[:, : heads + kv_heads]
-            both = both * cos + both.roll(half, dims=-1) * sin  # [rows, heads + kv_heads, head_dim]
+            both = torch.addcmul(both * cos, both.roll(half, dims=-1), sin)  # [rows, heads + kv_heads, head_dim]
             keys, values = cache.layers[index].update(both[:, heads:, None], qkv[:, heads + kv_heads:, None])
             out = _grouped_attention(both[:, :heads].reshape(rows, kv_heads, -1, dim), keys, values, bias,
-                                     attention.scaling)
-            hidden = hidden + _linear(attention.o_proj, out.view(rows, -1), kernel)
-            gate_up = _projections(mlp, ("gate_proj", "up_proj"), _rms_norm(layer.post_attention_layernorm, hidden),
-                                   kernel)
+                                     layer.scaling)
+            hidden += _linear(layer.o_proj, out.view(rows, -1), kernel)
+            gate_up = _projections(layer.mlp, GATE_UP, _rms_norm(layer.post_norm, hidden), kernel)
             gate, up = gate_up.split(self.intermediate, dim=-1)
-            hidden = hidden + _linear(mlp.down_proj, mlp.act_fn(gate) * up, kernel)
+            hidden += _linear(layer.down_proj, layer.act(gate).mul_(up), kernel)
         return self.model.lm_head.forward(_rms_norm(inner.norm, hidden))[:, None]
+
+
+class _Layer:
+    """A decoder layer's modules, looked up once (their tensors are read at every step: a sleep swaps them)."""
+
+    def __init__(self, layer: Any) -> None:
+        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.attention, self.o_proj, self.scaling = layer.self_attn, layer.self_attn.o_proj, layer.self_attn.scaling
+        self.mlp, self.down_proj, self.act = layer.mlp, layer.mlp.down_proj, layer.mlp.act_fn
 
 
 def _share(owner: nn.Module, names: tuple[str, ...]) -> None:
@@ -153,10 +162,13 @@ def _grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     """Attention of one new position per row: `query` [rows, kv_heads, group, dim] over `keys`/`values`
     [rows, kv_heads, length, dim]; the output [rows, kv_heads, group, dim] in the query's dtype."""
     dtype = query.dtype
-    if keys.shape[0] * keys.shape[2] <= FLOAT32_ATTENTION_MAX:
+    in_float32 = dtype == torch.float32 or keys.shape[0] * keys.shape[2] <= FLOAT32_ATTENTION_MAX
+    if in_float32 and dtype != torch.float32:
         query, keys, values = query.float(), keys.float(), values.float()
-    scores = torch.matmul(query, keys.transpose(-1, -2)).float().mul_(scaling)
+    scores = torch.matmul(query, keys.transpose(-1, -2))
+    scores = scores.mul_(scaling) if in_float32 else scores.float().mul_(scaling)
     if bias is not None:
         scores += bias
-    weights = scores.softmax(dim=-1).to(values.dtype)
-    return torch.matmul(weights, values).to(dtype)
+    weights = scores.softmax(dim=-1)
+    out = torch.matmul(weights if in_float32 else weights.to(dtype), values)
+    return out if out.dtype == dtype else out.to(dtype)
