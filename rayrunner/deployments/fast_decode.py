@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rayrunner.deployments.kv_batch import mergeable
+from rayrunner.deployments.kv_batch import BatchCache, mergeable
 from rayrunner.quantization.int8_rows import KERNEL_IN_MULTIPLE, KERNEL_MAX_ROWS, Int8Linear, int8_matmul, share_storage
 
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
@@ -39,8 +39,8 @@ _INT8_KERNEL = torch.ops.aten._weight_int8pack_mm
 
 
 class FastDecode:
-    """One decode step of a supported model: `step(ids, mask, positions, cache)` gives the logits [rows, 1, vocab]
-    and appends the step's keys and values to `cache`, as the model's own forward would."""
+    """One decode step of a supported model: `step(ids, batch)` gives the logits [rows, 1, vocab] and appends the
+    step's keys and values to the batch's cache, as the model's own forward would (`BatchCache.append`)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -71,15 +71,15 @@ class FastDecode:
         return cls(model) if _is_rms_norm(model.model.norm) else None
 
     @torch.inference_mode()
-    def step(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
-        """`ids` [rows, 1]; `mask` [rows, cached + 1] (1: a real token); `positions` [rows, 1]; `cache` the
-        batch's `DynamicCache`."""
+    def step(self, ids: torch.Tensor, batch: BatchCache) -> torch.Tensor:
+        """Feed `ids` [rows, 1], one token per row of `batch`, and append their keys and values to it."""
+        mask, positions = batch.mask_with(1), batch.next_positions()
         inner = self.model.model
         hidden = inner.embed_tokens.forward(ids[:, 0])  # [rows, hidden]: one position per row throughout
         cos, sin = inner.rotary_emb.forward(hidden, positions)  # [rows, 1, head_dim]
         half = self.head_dim // 2
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        bias = _padding_bias(mask)
+        bias: torch.Tensor | None = None
         kernel = hidden.dtype == torch.bfloat16 and ids.shape[0] <= KERNEL_MAX_ROWS
         rows, heads, kv_heads, dim = ids.shape[0], self.heads, self.kv_heads, self.head_dim
         for index, layer in enumerate(self.layers):
@@ -87,13 +87,16 @@ class FastDecode:
             qkv = qkv.view(rows, heads + 2 * kv_heads, dim)
             both = qkv[:, : heads + kv_heads]
             both = torch.addcmul(both * cos, both.roll(half, dims=-1), sin)  # [rows, heads + kv_heads, head_dim]
-            keys, values = cache.layers[index].update(both[:, heads:, None], qkv[:, heads + kv_heads:, None])
+            keys, values = batch.append(index, both[:, heads:, None], qkv[:, heads + kv_heads:, None])
+            if bias is None or bias.shape[-1] != keys.shape[2]:
+                bias = _attention_bias(mask, keys.shape[2])
             out = _grouped_attention(both[:, :heads].reshape(rows, kv_heads, -1, dim), keys, values, bias,
                                      layer.scaling)
             hidden += _linear(layer.o_proj, out.view(rows, -1), kernel)
             gate_up = _projections(layer.mlp, GATE_UP, _rms_norm(layer.post_norm, hidden), kernel)
             gate, up = gate_up.split(self.intermediate, dim=-1)
             hidden += _linear(layer.down_proj, layer.act(gate).mul_(up), kernel)
+        batch.grew(mask)
         return self.model.lm_head.forward(_rms_norm(inner.norm, hidden))[:, None]
 
 
@@ -149,26 +152,25 @@ def _rms_norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
     return norm.weight * (values * scale).to(hidden.dtype)
 
 
-def _padding_bias(mask: torch.Tensor) -> torch.Tensor | None:
-    """An additive float32 bias [rows, 1, 1, length] hiding left padding, or None when no row has any."""
-    if bool(mask.all()):
-        return None
-    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(mask == 0, float("-inf"))
+def _attention_bias(mask: torch.Tensor, capacity: int) -> torch.Tensor:
+    """An additive float32 bias [rows, 1, 1, capacity] hiding left padding and the room past the cached positions."""
+    bias = torch.full((mask.shape[0], capacity), float("-inf"), dtype=torch.float32, device=mask.device)
+    bias[:, : mask.shape[1]].masked_fill_(mask != 0, 0.0)
     return bias[:, None, None]
 
 
-def _grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+def _grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                        scaling: float) -> torch.Tensor:
     """Attention of one new position per row: `query` [rows, kv_heads, group, dim] over `keys`/`values`
-    [rows, kv_heads, length, dim]; the output [rows, kv_heads, group, dim] in the query's dtype."""
+    [rows, kv_heads, capacity, dim], with `bias` hiding what is not attended; the output [rows, kv_heads, group, dim]
+    in the query's dtype."""
     dtype = query.dtype
     in_float32 = dtype == torch.float32 or keys.shape[0] * keys.shape[2] <= FLOAT32_ATTENTION_MAX
     if in_float32 and dtype != torch.float32:
         query, keys, values = query.float(), keys.float(), values.float()
     scores = torch.matmul(query, keys.transpose(-1, -2))
     scores = scores.mul_(scaling) if in_float32 else scores.float().mul_(scaling)
-    if bias is not None:
-        scores += bias
+    scores += bias
     weights = scores.softmax(dim=-1)
     out = torch.matmul(weights if in_float32 else weights.to(dtype), values)
     return out if out.dtype == dtype else out.to(dtype)

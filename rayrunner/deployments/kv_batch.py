@@ -5,6 +5,15 @@ prefilled cache joins by padding (never by recomputing anyone's keys and values)
 dropping its row. Columns that have become padding in every row are trimmed away. This needs transformers' plain
 full-attention cache layers (`DynamicLayer`); models with sliding-window or other layer kinds run one sequence at a
 time (`mergeable` tells which).
+
+transformers' cache appends by concatenating, which copies a layer's whole cache at every step: 16 rows of 1,000
+SmolLM2 tokens are 368 MB copied per step (a third of the step). `append` (the fast decode step's) writes into room
+reserved behind the cached positions instead (an eighth of the length more, at least `MIN_ROOM`), so a position is
+copied a few times over a generation rather than once per step; a layer whose tensors were replaced since (a merge,
+a prefill through transformers) is moved into new room once. Attention reads the whole room, whose unused
+positions are zeros: a view of only the cached positions would be copied by every matmul (its rows are not evenly
+spaced), which costs what concatenating did. Decode steps of the fast step, this against concatenating (one process,
+alternating): 16 rows of 1,000 tokens 1.30x (bf16), 16 rows of 100 1.02x, one row of 40 0.97-1.0x (Q8_0).
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+MIN_ROOM = 16  # positions reserved ahead at least (see above)
 
 
 def new_cache(config: object) -> DynamicCache:
@@ -32,6 +43,7 @@ class BatchCache:
     def __init__(self, cache: DynamicCache, mask: torch.Tensor) -> None:
         self.cache = cache
         self.mask = mask  # [rows, length]: 1 for a real token, 0 for left padding
+        self._room: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by layer: reserved keys and values
 
     @property
     def rows(self) -> int:
@@ -53,6 +65,20 @@ class BatchCache:
     def grew(self, mask: torch.Tensor) -> None:
         """Record the mask of the forward pass that just appended to the cache."""
         self.mask = mask
+
+    def append(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `keys`/`values` [rows, kv_heads, 1, head_dim] to layer `index` (in reserved room: see above);
+        the layer's room for keys and values [rows, kv_heads, capacity, head_dim], zeros past the cached length."""
+        layer = _layers(self.cache)[index]
+        length = layer.keys.shape[2]
+        room = self._room.get(index)
+        if room is None or room[0].shape[2] <= length or room[0].data_ptr() != layer.keys.data_ptr() \
+                or room[0].shape[:2] != layer.keys.shape[:2]:
+            room = self._room[index] = (_reserved(layer.keys, length), _reserved(layer.values, length))
+        room[0][:, :, length] = keys[:, :, 0]
+        room[1][:, :, length] = values[:, :, 0]
+        layer.keys, layer.values = room[0][:, :, : length + 1], room[1][:, :, : length + 1]
+        return room
 
     def merge(self, other: BatchCache) -> None:
         """Append `other`'s rows, left-padding whichever side is shorter."""
@@ -81,6 +107,15 @@ def _layers(cache: DynamicCache) -> list[_FilledLayer]:
 class _FilledLayer(Protocol):
     keys: torch.Tensor
     values: torch.Tensor
+
+
+def _reserved(cached: torch.Tensor, length: int) -> torch.Tensor:
+    """A tensor holding `cached`'s first `length` positions with room for more behind them."""
+    shape = list(cached.shape)
+    shape[2] = length + max(MIN_ROOM, length // 8)
+    room = torch.zeros(shape, dtype=cached.dtype, device=cached.device)
+    room[:, :, :length] = cached
+    return room
 
 
 def _pad_left(tensor: torch.Tensor, length: int) -> torch.Tensor:

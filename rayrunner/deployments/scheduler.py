@@ -356,9 +356,7 @@ class StepScheduler:
 
         def run() -> None:
             if self.fast_decode is not None and (self.adapters is None or self.adapters.peft is None):
-                mask = batch.mask_with(1)
-                logits = self.fast_decode.step(ids, mask, batch.next_positions(), batch.cache)
-                batch.grew(mask)
+                logits = self.fast_decode.step(ids, batch)
             else:
                 logits = self._forward(running, ids, batch.mask_with(1), batch.next_positions(), batch)
             self._sample(running, logits[:, -1, :])

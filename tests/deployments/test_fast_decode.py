@@ -49,13 +49,13 @@ def _decode(model: torch.nn.Module, fast: FastDecode | None, steps: int) -> tupl
     ids = torch.tensor([[prompt[-1]] for prompt in PROMPTS])
     every = []
     for _ in range(steps):
-        mask = batch.mask_with(1)
         if fast is None:
+            mask = batch.mask_with(1)
             logits = model(input_ids=ids, attention_mask=mask, position_ids=batch.next_positions(),
                            cache=batch.cache, logits_to_keep=1).logits
+            batch.grew(mask)
         else:
-            logits = fast.step(ids, mask, batch.next_positions(), batch.cache)
-        batch.grew(mask)
+            logits = fast.step(ids, batch)
         every.append(logits.float())
         ids = logits[:, -1].argmax(-1, keepdim=True)
     return every, batch
@@ -144,7 +144,7 @@ def test_batch_sizes_on_both_int8_paths_match_the_forward(tiny_llama_dir: str, r
                 out = model(input_ids=ids, attention_mask=mask, position_ids=batch.next_positions(),
                             cache=batch.cache, logits_to_keep=1).logits
             else:
-                out = step.step(ids, mask, batch.next_positions(), batch.cache)
+                out = step.step(ids, batch)
         logits.append(out.float())
     assert logits[1].shape == logits[0].shape == (rows, 1, model.config.vocab_size)
     assert _relative(logits[1], logits[0]) < 0.02
