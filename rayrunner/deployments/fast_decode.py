@@ -1,5 +1,6 @@
-"""The decode step of Llama-family models (Llama, Mistral, Qwen2) in fewer, cheaper tensor operations than
-transformers' forward, on the same weights and the same `BatchCache`.
+"""The decode step of Llama-family models (Llama, Mistral, Qwen2, Qwen3, and the language model of a multimodal one
+such as LLaVA) in fewer, cheaper tensor operations than transformers' forward, on the same weights and the same
+`BatchCache`.
 
 A decode step feeds one token per row. At SmolLM2's size eager PyTorch spends as long on the ~1,800 small
 operations of transformers' forward as on the matmuls themselves (each costs a few microseconds to dispatch on this
@@ -17,8 +18,8 @@ CPU), so this step keeps the arithmetic and trims the operations around it:
 SmolLM2 in process, 64 greedy tokens after a 40-token prompt: Q8_0 47-49 tok/s with transformers' forward, 63-68
 with this step; bf16 1.02-1.09x (its matmuls dominate).
 
-Prefill, LoRA adapters (peft replaces the Linears), and other architectures keep transformers' forward:
-`FastDecode.for_model` says None for a model it does not cover.
+Prefill (images included), LoRA adapters (peft replaces the Linears), and other architectures keep transformers'
+forward: `FastDecode.for_model` says None for a model whose decoder layers it does not cover.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch import nn
 from rayrunner.deployments.kv_batch import BatchCache, mergeable
 from rayrunner.quantization.int8_rows import KERNEL_IN_MULTIPLE, KERNEL_MAX_ROWS, Int8Linear, int8_matmul, share_storage
 
-ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
 FLOAT32_ATTENTION_MAX = 2048  # cached positions over all rows up to which attention runs in float32 (see above)
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 SHARED_QDATA, SHARED_SCALE = "shared_qdata", "shared_scale"  # buffers of an attention or MLP module (see above)
@@ -42,41 +43,41 @@ class FastDecode:
     """One decode step of a supported model: `step(ids, batch)` gives the logits [rows, 1, vocab] and appends the
     step's keys and values to the batch's cache, as the model's own forward would (`BatchCache.append`)."""
 
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        config = model.config
+    def __init__(self, decoder: Any, lm_head: Any, config: Any) -> None:
+        self.decoder, self.lm_head = decoder, lm_head
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
         self.intermediate = int(config.intermediate_size)
-        for layer in model.model.layers:
+        for layer in decoder.layers:
             _share(layer.self_attn, QKV)
             _share(layer.mlp, GATE_UP)
-        self.layers = [_Layer(layer) for layer in model.model.layers[: config.num_hidden_layers]]
+        self.layers = [_Layer(layer) for layer in decoder.layers[: config.num_hidden_layers]]
 
     @classmethod
     def for_model(cls, model: Any) -> FastDecode | None:
-        """A `FastDecode` for `model`, or None when its architecture or modules are not the ones covered."""
-        if type(model).__name__ not in ARCHITECTURES or not mergeable(model.config):
+        """A `FastDecode` for `model` (a causal LM, or a multimodal one's language model), or None when its layers
+        are not the ones covered."""
+        decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
+        if lm_head is None or not mergeable(model.config):
             return None
         if any(module._forward_hooks or module._forward_pre_hooks for module in model.modules()):
             return None  # e.g. accelerate's offload hooks: the forward does more than the module's own
-        for layer in model.model.layers:
-            if any(hasattr(layer.self_attn, name) for name in ("q_norm", "k_norm", "sinks")):
-                return None
-            if not all(hasattr(layer.mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-                return None
-            if not all(_is_rms_norm(norm) for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
-                return None
-        return cls(model) if _is_rms_norm(model.model.norm) else None
+        layers = getattr(decoder, "layers", None)
+        if not layers or not all(type(layer).__name__ in DECODER_LAYERS for layer in layers):
+            return None
+        norms = [decoder.norm, *(norm for layer in layers for norm in (layer.input_layernorm,
+                                                                       layer.post_attention_layernorm))]
+        if not all(_is_rms_norm(norm) for norm in norms) or not hasattr(decoder, "rotary_emb"):
+            return None
+        return cls(decoder, lm_head, model.config.get_text_config())
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, batch: BatchCache) -> torch.Tensor:
         """Feed `ids` [rows, 1], one token per row of `batch`, and append their keys and values to it."""
         mask, positions = batch.mask_with(1), batch.next_positions()
-        inner = self.model.model
-        hidden = inner.embed_tokens.forward(ids[:, 0])  # [rows, hidden]: one position per row throughout
-        cos, sin = inner.rotary_emb.forward(hidden, positions)  # [rows, 1, head_dim]
+        hidden = self.decoder.embed_tokens.forward(ids[:, 0])  # [rows, hidden]: one position per row throughout
+        cos, sin = self.decoder.rotary_emb.forward(hidden, positions)  # [rows, 1, head_dim]
         half = self.head_dim // 2
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         bias: torch.Tensor | None = None
@@ -85,7 +86,9 @@ class FastDecode:
         for index, layer in enumerate(self.layers):
             qkv = _projections(layer.attention, QKV, _rms_norm(layer.input_norm, hidden), kernel)
             qkv = qkv.view(rows, heads + 2 * kv_heads, dim)
-            both = qkv[:, : heads + kv_heads]
+            both = qkv[:, : heads + kv_heads] if layer.q_norm is None else torch.cat(
+                [_rms_norm(layer.q_norm, qkv[:, :heads]), _rms_norm(layer.k_norm, qkv[:, heads: heads + kv_heads])],
+                dim=1)
             both = torch.addcmul(both * cos, both.roll(half, dims=-1), sin)  # [rows, heads + kv_heads, head_dim]
             keys, values = batch.append(index, both[:, heads:, None], qkv[:, heads + kv_heads:, None])
             if bias is None or bias.shape[-1] != keys.shape[2]:
@@ -97,7 +100,7 @@ class FastDecode:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             hidden += _linear(layer.down_proj, layer.act(gate).mul_(up), kernel)
         batch.grew(mask)
-        return self.model.lm_head.forward(_rms_norm(inner.norm, hidden))[:, None]
+        return self.lm_head.forward(_rms_norm(self.decoder.norm, hidden))[:, None]
 
 
 class _Layer:
@@ -107,6 +110,7 @@ class _Layer:
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.attention, self.o_proj, self.scaling = layer.self_attn, layer.self_attn.o_proj, layer.self_attn.scaling
         self.mlp, self.down_proj, self.act = layer.mlp, layer.mlp.down_proj, layer.mlp.act_fn
+        self.q_norm, self.k_norm = getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)
 
 
 def _share(owner: nn.Module, names: tuple[str, ...]) -> None:

@@ -1,5 +1,6 @@
-"""`FastDecode` on a tiny random Llama: its decode step gives the logits and KV cache of transformers' forward, for
-rows of different lengths (left padding), in float32 and with int8 weights that share one tensor per layer."""
+"""`FastDecode` on tiny random models (Llama, Qwen3, LLaVA's language model): its decode step gives the logits and KV
+cache of transformers' forward, for rows of different lengths (left padding), in float32 and with int8 weights that
+share one tensor per layer."""
 
 from __future__ import annotations
 
@@ -7,12 +8,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    GPT2Config,
+    GPT2LMHeadModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from rayrunner.deployments.fast_decode import SHARED_QDATA, SHARED_SCALE, FastDecode
 from rayrunner.deployments.kv_batch import BatchCache, new_cache
 from rayrunner.deployments.parked_weights import ParkedWeights
 from rayrunner.quantization import quantize_model, weight_bytes
+from tests.tiny_models import build_tiny_llava
 
 PROMPTS = [[5, 9, 14, 3, 7], [21, 4, 8, 30, 11, 2, 19, 6, 12], [40, 41, 42]]  # left-padded to 9 in one batch
 
@@ -65,14 +74,27 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
-def test_float32_step_matches_transformers_forward(tiny_llama_dir: str) -> None:
-    model = _model(tiny_llama_dir, torch.float32)
+def _qwen3() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return Qwen3ForCausalLM(config).eval()
+
+
+def _llava(folder: Path) -> torch.nn.Module:
+    return AutoModelForImageTextToText.from_pretrained(build_tiny_llava(folder), dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "llava"])
+def test_float32_step_matches_transformers_forward(tiny_llama_dir: str, tmp_path: Path, kind: str) -> None:
+    model = {"llama": lambda: _model(tiny_llama_dir, torch.float32), "qwen3": _qwen3,
+             "llava": lambda: _llava(tmp_path)}[kind]()
     fast = FastDecode.for_model(model)
     assert fast is not None
     want, want_cache = _decode(model, None, steps=4)
     got, got_cache = _decode(model, fast, steps=4)
     for got_logits, want_logits in zip(got, want, strict=True):
-        assert got_logits.shape == want_logits.shape == (len(PROMPTS), 1, model.config.vocab_size)
+        assert got_logits.shape == want_logits.shape == (len(PROMPTS), 1, model.config.get_text_config().vocab_size)
         assert _relative(got_logits, want_logits) < 1e-4
     for mine, theirs in zip(got_cache.cache.layers, want_cache.cache.layers, strict=True):
         assert torch.allclose(mine.keys, theirs.keys, atol=1e-5) and torch.allclose(mine.values, theirs.values,
@@ -117,9 +139,8 @@ def test_parked_and_restored_weights_keep_their_sharing(tiny_llama_dir: str, tmp
 
 
 def test_models_it_does_not_cover_keep_their_own_forward(tiny_llama_dir: str) -> None:
-    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16))
-    assert FastDecode.for_model(qwen3) is None  # its attention normalises queries and keys
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=1, n_head=4))
+    assert FastDecode.for_model(gpt2) is None
     hooked = _model(tiny_llama_dir, torch.float32)
     hooked.model.layers[0].mlp.register_forward_hook(lambda *_: None)
     assert FastDecode.for_model(hooked) is None
