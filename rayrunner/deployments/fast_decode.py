@@ -62,7 +62,10 @@ class FastDecode:
     def for_model(cls, model: Any) -> FastDecode | None:
         """A `FastDecode` for `model` (a causal LM, or a multimodal one's language model), or None when its layers
         are not the ones covered."""
-        decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
+        try:
+            decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
+        except (AttributeError, NotImplementedError):  # not a transformers model with a decoder and a head
+            return None
         if lm_head is None or not mergeable(model.config):
             return None
         if any(module._forward_hooks or module._forward_pre_hooks for module in model.modules()):

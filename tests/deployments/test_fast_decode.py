@@ -38,10 +38,10 @@ def _prefilled(model: torch.nn.Module) -> BatchCache:
     """A batch of `PROMPTS`, each prefilled alone and merged (as the scheduler does)."""
     batch = None
     for prompt in PROMPTS:
-        cache = BatchCache(new_cache(model.config), torch.zeros((1, 0), dtype=torch.long))
+        cache = BatchCache(new_cache(model.config), torch.zeros((1, 0), dtype=torch.long, device=model.device))
         mask = cache.mask_with(len(prompt))
-        model(input_ids=torch.tensor([prompt]), attention_mask=mask, position_ids=torch.arange(len(prompt))[None],
-              cache=cache.cache)
+        model(input_ids=torch.tensor([prompt], device=model.device), attention_mask=mask,
+              position_ids=torch.arange(len(prompt), device=model.device)[None], cache=cache.cache)
         cache.grew(mask)
         if batch is None:
             batch = cache
@@ -55,7 +55,7 @@ def _prefilled(model: torch.nn.Module) -> BatchCache:
 def _decode(model: torch.nn.Module, fast: FastDecode | None, steps: int) -> tuple[list[torch.Tensor], BatchCache]:
     """`steps` greedy decode steps over the batch: each step's logits, and the cache at the end."""
     batch = _prefilled(model)
-    ids = torch.tensor([[prompt[-1]] for prompt in PROMPTS])
+    ids = torch.tensor([[prompt[-1]] for prompt in PROMPTS], device=model.device)
     every = []
     for _ in range(steps):
         if fast is None:
@@ -99,6 +99,20 @@ def test_float32_step_matches_transformers_forward(tiny_llama_dir: str, tmp_path
     for mine, theirs in zip(got_cache.cache.layers, want_cache.cache.layers, strict=True):
         assert torch.allclose(mine.keys, theirs.keys, atol=1e-5) and torch.allclose(mine.values, theirs.values,
                                                                                      atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_on_cuda_matches_transformers_forward(tiny_llama_dir: str, dtype: torch.dtype) -> None:
+    model = _model(tiny_llama_dir, dtype).to("cuda")
+    fast = FastDecode.for_model(model)
+    assert fast is not None
+    want, _ = _decode(model, None, steps=4)
+    got, cache = _decode(model, fast, steps=4)
+    assert cache.cache.layers[0].keys.device.type == "cuda"
+    for got_logits, want_logits in zip(got, want, strict=True):
+        assert _relative(got_logits, want_logits) < (1e-4 if dtype == torch.float32 else 0.02)
 
 
 def test_int8_weights_share_one_tensor_per_layer_and_decode_alike(tiny_llama_dir: str) -> None:
