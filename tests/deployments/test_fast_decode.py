@@ -51,6 +51,17 @@ def _prefilled(model: torch.nn.Module) -> BatchCache:
     return batch
 
 
+def _step(model: torch.nn.Module, fast: FastDecode | None, ids: torch.Tensor, batch: BatchCache) -> torch.Tensor:
+    """One decode step of `ids` [rows, 1] over `batch`: transformers' forward (`fast` None) or the fast step."""
+    if fast is not None:
+        return fast.step(ids, batch)
+    mask = batch.mask_with(1)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=batch.next_positions(), cache=batch.cache,
+                   logits_to_keep=1).logits
+    batch.grew(mask)
+    return logits
+
+
 @torch.inference_mode()
 def _decode(model: torch.nn.Module, fast: FastDecode | None, steps: int) -> tuple[list[torch.Tensor], BatchCache]:
     """`steps` greedy decode steps over the batch: each step's logits, and the cache at the end."""
@@ -58,13 +69,7 @@ def _decode(model: torch.nn.Module, fast: FastDecode | None, steps: int) -> tupl
     ids = torch.tensor([[prompt[-1]] for prompt in PROMPTS], device=model.device)
     every = []
     for _ in range(steps):
-        if fast is None:
-            mask = batch.mask_with(1)
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=batch.next_positions(),
-                           cache=batch.cache, logits_to_keep=1).logits
-            batch.grew(mask)
-        else:
-            logits = fast.step(ids, batch)
+        logits = _step(model, fast, ids, batch)
         every.append(logits.float())
         ids = logits[:, -1].argmax(-1, keepdim=True)
     return every, batch
@@ -174,12 +179,7 @@ def test_batch_sizes_on_both_int8_paths_match_the_forward(tiny_llama_dir: str, r
             model(input_ids=prompt, attention_mask=mask, position_ids=torch.arange(6).repeat(rows, 1),
                   cache=batch.cache)
             batch.grew(mask)
-            ids, mask = prompt[:, -1:], batch.mask_with(1)
-            if step is None:
-                out = model(input_ids=ids, attention_mask=mask, position_ids=batch.next_positions(),
-                            cache=batch.cache, logits_to_keep=1).logits
-            else:
-                out = step.step(ids, batch)
+            out = _step(model, step, prompt[:, -1:], batch)
         logits.append(out.float())
     assert logits[1].shape == logits[0].shape == (rows, 1, model.config.vocab_size)
     assert _relative(logits[1], logits[0]) < 0.02
