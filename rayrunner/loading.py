@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rayrunner.architectures import check_arch
+from rayrunner.cpu_gemm import widen_linears
 from rayrunner.errors import InvalidSpecError, ModelLoadError, RayRunnerError
 from rayrunner.load_progress import LoadProgress, for_model
 from rayrunner.quantization.model_cache import QuantizedModelCache
@@ -98,6 +99,8 @@ def load_model(spec: ModelSpec, auto_class: Any, with_processor: bool = False) -
     device = pick_device(spec.engine.device)
     dtype = pick_dtype(spec.which.dtype)
     model, quantization = _model(spec, auto_class, source, device, dtype, progress)
+    if device == "cpu":
+        widen_linears(model)  # prefill matmuls in float32 where this CPU has no native bf16/fp16 GEMM
     with _as_load_error(spec):
         tok_path = tok_location or source.path
         tok_kwargs: dict[str, Any] = {} if tok_location else {"gguf_file": source.gguf_file}

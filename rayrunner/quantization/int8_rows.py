@@ -12,7 +12,8 @@ sequences it decoded at 0.91-0.99x bf16's speed with the kernel against 0.68x co
 main thread: 0.89-0.93x against 0.85x). A vocabulary-sized head converts cheaply per row for its size and switches
 after 8 rows (16 rows: 7.4 ms against 12.3 ms in the kernel and 6.4 ms in bf16). The kernel needs in_features in
 multiples of 16 (other widths gave garbage or crashed) and is only fast on bf16 inputs (on fp16 and float32
-converting is faster); other cases take the conversion path, which holds any shape.
+converting is faster); other cases take the conversion path, which holds any shape. On CPUs without a native bf16
+GEMM (AVX2 only) the conversion path converts to float32 instead (`cpu_gemm`: 3.5-4x faster there).
 
 Why rows and not GGUF's blocks of 32: with one scale per row a dot product is one kernel call; blocks need one call
 per block (18 for SmolLM2's 576 inputs) or a dequantized copy per call, which is what torchao does (about half of
@@ -25,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from rayrunner.cpu_gemm import wide_dtype
 
 INT8_MAX = 127
 KERNEL_MAX_ROWS = 16  # up to this many rows take the int8 kernel (see the module docstring)
@@ -55,8 +58,10 @@ def int8_matmul(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> to
     if flat.shape[0] <= most and x.dtype == torch.bfloat16 and qdata.shape[1] % KERNEL_IN_MULTIPLE == 0:
         out = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), qdata, scale)
     else:
-        parts = [F.linear(flat, part.to(x.dtype)) for part in qdata.split(CONVERT_ROWS)]
-        out = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).mul_(scale)
+        dtype = wide_dtype(x.dtype)  # float32 where this CPU has no native bf16 GEMM (`cpu_gemm`)
+        flat = flat.to(dtype)
+        parts = [F.linear(flat, part.to(dtype)) for part in qdata.split(CONVERT_ROWS)]
+        out = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).mul_(scale.to(dtype)).to(x.dtype)
     return out.reshape(*x.shape[:-1], qdata.shape[0])
 
 
