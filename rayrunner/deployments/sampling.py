@@ -154,11 +154,12 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
     for i, row in enumerate(rows):
         for processor in row.processors:
             logits[i] = processor(row.prompt_ids, row.output_ids, logits[i])
-    tokens = torch.argmax(logits, dim=-1)
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if len(sampled) == len(rows):
+        return [int(t) for t in _draw(logits, rows).tolist()]
+    tokens = torch.argmax(logits, dim=-1)
     if sampled:
-        picked = _draw(logits[sampled], [rows[i] for i in sampled])
-        tokens[sampled] = picked
+        tokens[sampled] = _draw(logits[sampled], [rows[i] for i in sampled])
     return [int(t) for t in tokens.tolist()]
 
 
@@ -167,31 +168,32 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     min-p), then draw each row by inverse CDF with one uniform from its own generator.
 
     Sorting the whole vocabulary, or drawing over all of it, costs more than a small model's forward pass, so the
-    work runs on each row's most likely `_CANDIDATES` tokens (or its larger top_k). That stays exact: a top-p nucleus
-    that reaches past them widens the window, up to a full sort, and a row with no top-k/top-p keeps the rest as a
-    tail that a draw lands in with exactly the tail's probability (then drawn over the whole vocabulary)."""
+    work runs on each row's most likely `_CANDIDATES` tokens (or its larger top_k), after one softmax over the
+    vocabulary. That stays exact: a top-p nucleus that reaches past them widens the window, up to a full sort, and a
+    row with no top-k/top-p keeps the rest as a tail that a draw lands in with exactly the tail's probability (then
+    drawn over the whole vocabulary). Only such rows read their whole distribution again (`_tail`)."""
     device, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor([r.params.temperature for r in rows], device=device).unsqueeze(1)
     probs = torch.softmax(logits / temperature, dim=-1)
     k = torch.tensor([r.params.top_k or vocab for r in rows], device=device).unsqueeze(1)
     p = torch.tensor([r.params.top_p for r in rows], device=device).unsqueeze(1)
-    floor = torch.tensor([r.params.min_p for r in rows], device=device).unsqueeze(1) * probs.max(-1, True).values
+    min_p = torch.tensor([r.params.min_p for r in rows], device=device).unsqueeze(1)
     largest_k = max(r.params.top_k for r in rows)
     for width in sorted({min(vocab, max(w, largest_k)) for w in (*_CANDIDATES, vocab)}):
         top, ids = probs.sort(dim=-1, descending=True) if width == vocab else probs.topk(width, dim=-1)
         unbounded = (k > width) & (p >= 1.0)  # rows whose distribution goes on past the candidates
         if width == vocab or bool(((top.sum(-1, True) >= p) | (k <= width) | unbounded).all()):
             break  # else a top-p nucleus reaches past the candidates: widen
+    floor = min_p * top[:, :1]  # min-p's threshold: a share of the most likely token's probability
     ranks = torch.arange(width, device=device).unsqueeze(0)
     kept = top.masked_fill(ranks >= k, 0.0)
     share = kept / kept.sum(-1, True)
     before = share.cumsum(-1) - share  # the mass of the candidates ranked above this one
     kept = kept.masked_fill(((before >= p) & (p < 1.0)) | (kept < floor), 0.0)
-    above = probs.masked_fill(probs < floor, 0.0).sum(-1, True) - top.masked_fill(top < floor, 0.0).sum(-1, True)
-    # A tail exists only if some token past the candidates can be drawn (counted exactly: `above` alone can be a
-    # rounding error's worth above zero when a mask, such as a grammar's, leaves every live token among them).
-    beyond = _live(probs, floor).sum(-1, True) > _live(top, floor).sum(-1, True)
-    tail = torch.where(unbounded & (width < vocab) & beyond, above.clamp(min=0.0), 0.0)
+    tail = torch.zeros_like(floor)
+    with_tail = (unbounded & (width < vocab)).squeeze(1).nonzero().flatten()
+    if len(with_tail):
+        tail[with_tail] = _tail(probs[with_tail], top[with_tail], floor[with_tail])
     cdf = kept.cumsum(-1)
     uniform = torch.cat([torch.rand(1, generator=r.generator, device=device) for r in rows]).unsqueeze(1)
     target = uniform * (cdf[:, -1:] + tail)
@@ -201,6 +203,16 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         rest = probs[i].scatter(0, ids[i], 0.0)
         tokens[i] = torch.multinomial(rest.masked_fill(rest < floor[i], 0.0), 1, generator=rows[i].generator)[0]
     return tokens
+
+
+def _tail(probs: torch.Tensor, top: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """The probability past the candidates `top` that a draw can land in, per row ([rows, 1]), from the rows' whole
+    distributions. A tail exists only if some token past the candidates can be drawn (counted exactly: the mass
+    alone can be a rounding error's worth above zero when a mask, such as a grammar's, leaves every live token among
+    the candidates)."""
+    above = probs.masked_fill(probs < floor, 0.0).sum(-1, True) - top.masked_fill(top < floor, 0.0).sum(-1, True)
+    beyond = _live(probs, floor).sum(-1, True) > _live(top, floor).sum(-1, True)
+    return torch.where(beyond, above.clamp(min=0.0), 0.0)
 
 
 def _live(probs: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:

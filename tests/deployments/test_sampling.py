@@ -98,6 +98,19 @@ def test_a_tail_draw_in_one_row_leaves_the_others_alone() -> None:
         assert sample(logits, rows)[0] in (5, 6, 7)
 
 
+def test_only_rows_without_a_nucleus_or_top_k_have_a_tail() -> None:
+    """Beside a near-flat row with no top-k/top-p (its draws land past the candidates as often as its tail's mass
+    says), a top-p row of the same distribution and a top-k row stay inside their own cut."""
+    vocab, draws = 2048, 1500
+    logits = (-0.001 * torch.arange(vocab, dtype=torch.float32)).repeat(3, 1)
+    tail_mass = float(torch.softmax(logits[0], -1)[512:].sum())
+    rows = [_row(temperature=1.0, top_p=0.2, seed=1), _row(temperature=1.0, seed=2), _row(temperature=1.0, top_k=4)]
+    picks = torch.tensor([sample(logits.clone(), rows) for _ in range(draws)])
+    nucleus = int(torch.searchsorted(torch.softmax(logits[0], -1).cumsum(0), torch.tensor(0.2))) + 1
+    assert int(picks[:, 0].max()) < nucleus and int(picks[:, 2].max()) < 4
+    assert abs(float((picks[:, 1] >= 512).float().mean()) - tail_mass) < 0.05
+
+
 def test_logprobs_put_the_chosen_token_first_among_equals() -> None:
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]])
     found = logprobs_of(logits, [2], top=2)[0]

@@ -32,10 +32,15 @@ def adapter(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def service(cluster: dict[str, Any], adapter: str) -> Iterator[Service]:
-    lora = {"spec": {"model_id": "smol-lora", "which": {"type": "lora", "model_id": SMOLLM2, "adapter": adapter}},
+    # float32: the random adapter's garbled reply has near-ties between tokens, which bf16 rounding inside a padded
+    # batch can flip on some CPUs; the interleaving test compares replies word for word
+    lora = {"spec": {"model_id": "smol-lora", "which": {"type": "lora", "model_id": SMOLLM2, "adapter": adapter,
+                                                         "dtype": "f32"}},
             "aliases": [], "load": True}
+    base = model_entry("smol", SMOLLM2, load=False)
+    base["spec"]["which"]["dtype"] = "f32"
     # the base is `load: false`: the LoRA model's `load: true` loads it (its replica serves the adapter)
-    config = {"models": [model_entry("smol", SMOLLM2, load=False), lora],
+    config = {"models": [base, lora],
               "state_path": str(cluster["state_dir"] / "lora.json")}
     svc = Service(cluster, config)
     yield svc

@@ -14,7 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rayrunner.loading import load_model
 from rayrunner.sources import SMOLLM2, resolve
+from rayrunner.spec import build_spec
 from tests.conftest import Service, model_entry
 
 MODEL = "smollm2-135m-instruct"
@@ -56,12 +58,14 @@ def client(service: Service) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=0, timeout=600)
 
 
-def _plain_logprobs(ids: list[int]) -> torch.Tensor:
-    """One bf16 forward pass of SmolLM2 in this process: log-softmax at each position (it scores the next token)."""
-    folder = resolve(SMOLLM2).path
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+def _plain_logprobs(*sequences: list[int]) -> list[torch.Tensor]:
+    """For each of `sequences`, one forward pass of SmolLM2 loaded in this process as its replica loads it (bf16,
+    with the replica's CPU matmul choices): the log-softmax at each position (it scores the next token)."""
+    spec = build_spec(MODEL, {"type": "plain", "model_id": SMOLLM2})
+    model = load_model(spec, AutoModelForCausalLM).model
     with torch.inference_mode():
-        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+        return [torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+                for ids in sequences]
 
 
 def test_greedy_logprobs_are_the_models(client: openai.OpenAI) -> None:
@@ -74,12 +78,12 @@ def test_greedy_logprobs_are_the_models(client: openai.OpenAI) -> None:
     tokenizer = AutoTokenizer.from_pretrained(resolve(SMOLLM2).path)
     prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     ids = tokenizer(prompt + reply.choices[0].message.content, add_special_tokens=False)["input_ids"]
-    plain = _plain_logprobs(ids)
     start = len(ids) - len(entries)
-    # The first token comes from the prefill, which is this same forward pass; later ones from cached decode steps,
-    # whose bf16 rounding differs slightly from recomputing the whole sequence (measured: up to 0.005; 1e-3 in
-    # float32, see tests/deployments/test_choices_and_logprobs.py).
-    assert abs(entries[0].logprob - float(plain[start - 1, ids[start]])) < 1e-3
+    prompt_only, plain = _plain_logprobs(ids[:start], ids)
+    # The first token comes from the prefill: this same forward pass over the prompt. Later ones come from cached
+    # decode steps, whose bf16 rounding differs slightly from recomputing the whole sequence (measured: up to
+    # 0.005; 1e-3 in float32, see tests/deployments/test_choices_and_logprobs.py).
+    assert abs(entries[0].logprob - float(prompt_only[-1, ids[start]])) < 1e-3
     for step, entry in enumerate(entries[1:], start=1):
         assert abs(entry.logprob - float(plain[start + step - 1, ids[start + step]])) < 0.01
 
