@@ -24,13 +24,17 @@ import logging
 import time
 from typing import Any, cast
 
+from rayrunner import serve_transport
+
 logger = logging.getLogger(__name__)
 
 # Not imported from rayrunner.worker_preload, which imports the model server when this is set: rayrunner's
 # __init__ imports this module, so the model server's own import of it would find it half-initialized.
 PRELOAD_ENV_VAR = "RAYRUNNER_PRELOAD"
-CLUSTER_ENV = {"RAY_preload_python_modules": "rayrunner.worker_preload"}  # read by the raylet when it starts
-REPLICA_RUNTIME_ENV = {"env_vars": {PRELOAD_ENV_VAR: "1"}}
+# Read by the raylet when it starts (and by the processes it starts): spares import the model stack; Serve's hops
+# go over gRPC (`serve_transport`).
+CLUSTER_ENV = {"RAY_preload_python_modules": "rayrunner.worker_preload", **serve_transport.CLUSTER_ENV}
+REPLICA_RUNTIME_ENV = {"env_vars": {PRELOAD_ENV_VAR: "1", **serve_transport.REPLICA_ENV}}
 KEEP_ALIVE_S = 600
 WARM_MARGIN_S = 1.0  # a replica whose process is this much older than its deploy ran in a waiting worker
 

@@ -36,6 +36,7 @@ from rayrunner.router import cards, timeouts
 from rayrunner.router.gate import Gate
 from rayrunner.router.responses_api import ResponsesRequest, event_frames, stream_events, to_chat_request, to_response
 from rayrunner.router.service import _GENERATES, RouterService
+from rayrunner.serve_transport import REPLICA_ENV
 
 B = TypeVar("B", bound=BaseModel)
 # "default" documents the error shape of every route (and keeps FastAPI from advertising a 422 it never sends);
@@ -144,7 +145,8 @@ async def _counted(model: str, method: str, stream: AsyncIterator[dict[str, Any]
         metrics.request(model, method, status)
 
 
-@serve.deployment(name="Router", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1})
+@serve.deployment(name="Router", max_ongoing_requests=256,
+                  ray_actor_options={"num_cpus": 0.1, "runtime_env": {"env_vars": REPLICA_ENV}})
 @serve.ingress(api)
 class Router:
     async def __init__(self, config: dict[str, Any]) -> None:  # type: ignore[misc]  # Serve awaits it

@@ -21,6 +21,7 @@ from rayrunner.registry import get_registry
 from rayrunner.registry_state import RegistryConfig
 from rayrunner.router.routes import RoutingTable
 from rayrunner.router.usage import UsageTracker
+from rayrunner.serve_transport import direct
 
 T = TypeVar("T")
 
@@ -116,7 +117,7 @@ class RouterService:
 
     def _handle(self, app: str) -> DeploymentHandle:
         if app not in self._handles:
-            self._handles[app] = serve.get_deployment_handle(model_apps.DEPLOYMENT, app_name=app)
+            self._handles[app] = direct(serve.get_deployment_handle(model_apps.DEPLOYMENT, app_name=app))
         return self._handles[app]
 
     async def _guard(self, awaitable: Awaitable[T], model_id: str) -> T:

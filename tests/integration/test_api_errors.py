@@ -19,6 +19,7 @@ from tests.conftest import Service, model_entry
 MODEL = "victim"
 TIGHT = "tight"  # one sequence at a time, one waiting
 LONG = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 1900}
+BUSY = {**LONG, "max_tokens": 600}  # seconds of work: the running one outlasts the others' arrival
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def test_full_queue_answers_429_with_retry_after(service: Service) -> None:
     kinds = [False, True] * 4  # unary, and streaming (refused before the stream opens)
 
     def send(stream: bool) -> Any:
-        return service.http.post("/v1/chat/completions", json={"model": TIGHT, **LONG, "stream": stream})
+        return service.http.post("/v1/chat/completions", json={"model": TIGHT, **BUSY, "stream": stream})
 
     with ThreadPoolExecutor(len(kinds)) as pool:  # at once: one runs, one waits, the others find the queue full
         responses = list(pool.map(send, kinds))
