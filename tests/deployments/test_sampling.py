@@ -111,6 +111,21 @@ def test_only_rows_without_a_nucleus_or_top_k_have_a_tail() -> None:
     assert abs(float((picks[:, 1] >= 512).float().mean()) - tail_mass) < 0.05
 
 
+def test_a_row_draws_the_same_beside_a_companion_that_sorts_everything() -> None:
+    """A row without top-k/top-p over a near-flat distribution keeps its own candidate window (and tail) while a
+    companion's wide nucleus makes that companion sort its whole vocabulary: its seeded draws match its draws alone."""
+    vocab = 8192
+    flat = -0.0001 * torch.arange(vocab, dtype=torch.float32)
+
+    def draws(companion: bool) -> list[int]:
+        rows = [_row(temperature=1.0, seed=11)] + ([_row(temperature=1.0, top_p=0.99, seed=3)] if companion else [])
+        logits = flat.repeat(len(rows), 1)
+        return [sample(logits.clone(), rows)[0] for _ in range(60)]
+
+    alone = draws(companion=False)
+    assert draws(companion=True) == alone and max(alone) >= 512  # it does draw from its tail
+
+
 def test_logprobs_put_the_chosen_token_first_among_equals() -> None:
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]])
     found = logprobs_of(logits, [2], top=2)[0]
