@@ -5,11 +5,16 @@ instead when it has room for them (`HOST_SHARE` of what is available): the accel
 same, and a wake is one copy back, with no file written or read.
 
 Waking this way skips all that rebuilding the engine repeats (config, tokenizer, `from_pretrained`, quantizing
-again): SmolLM2 on CPU comes back in 0.09-0.15 s (bf16 0.15, Q8_0 0.09) against 0.5-0.8 s for a rebuild, and
-answers token for token as before. The file is written at the first sleep and again only when the model's tensors
-changed since (an adapter loaded); it is deleted when the engine closes, and a parked file whose process is gone
-(a replica killed while asleep, a cluster stopped) is removed by the next replica on the host that starts or
-parks. Disk: the weights' size (269 MB for SmolLM2 bf16, 135 MB at Q8_0) in `$RAYRUNNER_CACHE_DIR/parked`.
+again), and answers token for token as before. The file is mapped back, not read: its pages (still in the page
+cache after a short sleep) become the weights, copy-on-write, faulted in by the first forward pass. SmolLM2 bf16
+on CPU: restore 10 ms and a first forward ~8 ms slower than usual, against 146-185 ms to read the file into new
+memory (Q8_0 75-88 ms) and 0.5-0.8 s for a rebuild. Clean file pages are memory the kernel may reclaim under
+pressure and read again from the file on use; the next sleep drops them like any other weights.
+
+The file is written at the first sleep and again only when the model's tensors changed since (an adapter loaded);
+it is deleted when the engine closes, and a parked file whose process is gone (a replica killed while asleep, a
+cluster stopped) is removed by the next replica on the host that starts or parks. Disk: the weights' size (269 MB
+for SmolLM2 bf16, 135 MB at Q8_0) in `$RAYRUNNER_CACHE_DIR/parked`.
 
 Weights made in inference mode would be inference tensors, and a Linear whose weight is one runs a sliced input
 through a bmm that copies the weight on every call (a 1-token chat took 1.7x as long after such a wake).
@@ -79,7 +84,7 @@ class ParkedWeights:
         with torch.inference_mode(False):  # normal tensors, though the step loop calls this in inference mode
             # the file is our own, written by `park`
             tensors = (_moved(*self._in_host) if self._in_host is not None
-                       else torch.load(self.path, weights_only=False))
+                       else torch.load(self.path, weights_only=False, mmap=True))
         for (module, kind, name), tensor in zip(self._places, tensors, strict=True):
             getattr(module, kind)[name] = tensor
         self._places, self._in_host = None, None
