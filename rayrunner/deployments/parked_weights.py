@@ -1,6 +1,6 @@
 """A sleeping engine's weights, parked in a local file: `park` writes every parameter and buffer of the model as it
 is in memory (after in-situ quantization, LoRA adapters included, tied weights written once and shared again) and
-drops them; `restore` reads them back into the same modules. Weights on an accelerator are parked in host memory
+drops them; `restore` puts them back into the same modules. Weights on an accelerator are parked in host memory
 instead when it has room for them (`HOST_SHARE` of what is available): the accelerator's memory is freed all the
 same, and a wake is one copy back, with no file written or read.
 
