@@ -224,9 +224,8 @@ class _Window:
         kept = kept.masked_fill(((before >= p) & (p < 1.0)) | (kept < floor), 0.0)
         tail = torch.zeros_like(floor)
         with_tail = (self.unbounded[index] & (self.width < self.vocab)).squeeze(1).nonzero().flatten()
-        probs = self.probs[index]
         if len(with_tail):
-            tail[with_tail] = _tail(probs[with_tail], top[with_tail], floor[with_tail])
+            tail[with_tail] = _tail(self.probs[index[with_tail]], top[with_tail], floor[with_tail])
         rows = [self.rows[i] for i in chosen]
         cdf = kept.cumsum(-1)
         uniform = torch.cat([torch.rand(1, generator=r.generator, device=device) for r in rows]).unsqueeze(1)
@@ -234,7 +233,7 @@ class _Window:
         tokens = ids.gather(1, torch.searchsorted(cdf, target).clamp(max=self.width - 1)).squeeze(1)
         landed_in_tail = ((target >= cdf[:, -1:]) & (tail > 0)).squeeze(1)
         for i in torch.nonzero(landed_in_tail).flatten().tolist():
-            rest = probs[i].scatter(0, ids[i], 0.0)
+            rest = self.probs[chosen[i]].scatter(0, ids[i], 0.0)
             tokens[i] = torch.multinomial(rest.masked_fill(rest < floor[i], 0.0), 1, generator=rows[i].generator)[0]
         return tokens
 
