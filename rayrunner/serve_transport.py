@@ -13,20 +13,26 @@ the replica's process starts), less than a chat with a large image or a long bat
 raises it for rayrunner's own replicas (router and models), whatever cluster they run on. The proxy's switch is read
 by the proxy's process, so it is part of the environment of the clusters rayrunner starts (`CLUSTER_ENV`); on a
 cluster started without it the proxy's hop stays a Ray actor call, which works the same, a little slower.
+
+`RAYRUNNER_SERVE_GRPC=0` in the cluster's environment keeps both hops Ray actor calls (a multi-node cluster whose
+nodes cannot reach each other's replica gRPC ports; `bench/bench_transport.py` compares the two).
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported early (`warm_workers`), before anything needs Serve
     from ray.serve.handle import DeploymentHandle
 
+SWITCH = "RAYRUNNER_SERVE_GRPC"
+ENABLED = os.environ.get(SWITCH, "1") != "0"
 MAX_MESSAGE_BYTES = 1 << 30
 REPLICA_ENV = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(MAX_MESSAGE_BYTES)}
-CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", **REPLICA_ENV}
+CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1" if ENABLED else "0", **REPLICA_ENV}
 
 
 def direct(handle: DeploymentHandle) -> DeploymentHandle:
     """`handle` with its calls sent over the replica's gRPC channel (see the module docstring)."""
-    return handle.options(_by_reference=False)
+    return handle.options(_by_reference=False) if ENABLED else handle

@@ -40,5 +40,6 @@ export PATH="$PWD/.venv/bin:$PATH"
 # proxy talking to the router over gRPC (rayrunner/serve_transport.py).
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 export RAY_preload_python_modules="${RAY_preload_python_modules-rayrunner.worker_preload}"
-export RAY_SERVE_PROXY_USE_GRPC="${RAY_SERVE_PROXY_USE_GRPC-1}"
+[ "${RAYRUNNER_SERVE_GRPC-1}" = 0 ] && proxy_grpc=0 || proxy_grpc=1
+export RAY_SERVE_PROXY_USE_GRPC="${RAY_SERVE_PROXY_USE_GRPC-$proxy_grpc}"
 export RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH="${RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH-1073741824}"
