@@ -12,11 +12,16 @@ import from two threads at once.
 The imports run at a lower CPU priority (nice +10) when the process may raise it back afterwards (CAP_SYS_NICE,
 or an `RLIMIT_NICE` that allows it): a spare started after a load then yields the CPU to the replicas serving their
 first requests instead of slowing them down for the ~4 s it imports.
+
+Then what was imported is collected once and frozen (`gc.freeze`): Serve collects and freezes at a replica's start
+(`RAY_SERVE_FREEZE_GC_ON_STARTUP`), between its constructor and its first health check, and a full collection over
+the imported stack takes ~0.3 s on a 2-core box; over what the replica made since the freeze, ~0.01 s.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import logging
 import os
@@ -47,6 +52,8 @@ def preload() -> None:
                 importlib.import_module(name)
             except Exception:  # a missing optional piece must never break a worker
                 logger.warning("rayrunner could not preload %s", name, exc_info=True)
+        gc.collect()
+        gc.freeze()  # the imported stack lives as long as the process: no later collection walks it again
 
 
 @contextlib.contextmanager
