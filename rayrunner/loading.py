@@ -123,11 +123,10 @@ def _model(spec: ModelSpec, auto_class: Any, source: ResolvedSource, device: str
     if cached is not None:
         return cached
     with _as_load_error(spec):
-        # Weights are read into the replica's own memory rather than memory-mapped, so the memory a model uses
-        # is accounted to its replica and really freed when the replica exits on unload.
-        model = auto_class.from_pretrained(
-            source.path, gguf_file=source.gguf_file, dtype=dtype, device_map=device, disable_mmap=True
-        )
+        # Memory-mapped (transformers' default; private, so a change to a weight copies only its pages): the
+        # weights are the cache file's pages, freed with the process. In a fresh replica process, reading them
+        # into new memory instead (`disable_mmap=True`) took SmolLM2 bf16 0.5-0.6 s against 0.2-0.26 s mapped.
+        model = auto_class.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=dtype, device_map=device)
     model.eval()
     if source.gguf_file is not None:
         model.hf_quantizer = None  # GGUF is dequantized on load; the in-memory weights are plain tensors
