@@ -45,7 +45,7 @@ from rayrunner.registry_capacity import CapacityMixin
 from rayrunner.registry_state import ModelEntry, ModelRecord, RegistryConfig, RegistryState, UnloadMode
 from rayrunner.sources import cache_dir
 from rayrunner.spec import ModelSpec
-from rayrunner.warm_workers import WarmSpares
+from rayrunner.warm_workers import SPARE_DELAY_S, WarmSpares
 
 REGISTRY_NAME = "rayrunner-registry"
 NAMESPACE = "rayrunner"
@@ -366,6 +366,7 @@ class Registry(CapacityMixin):
     async def _spare_after(self, app: str, deployed_at: float | None) -> None:
         """A spare worker for the node of the app's new replica (`deployed_at`: None for an adopted deploy)."""
         worker = await model_apps.call_replica(app, "worker")
+        await asyncio.sleep(SPARE_DELAY_S)
         if deployed_at is None:
             await asyncio.to_thread(self._spares.after_adopt, worker)
         else:

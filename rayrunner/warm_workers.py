@@ -8,9 +8,9 @@ env when the node has one, so:
 - model replicas run with `REPLICA_RUNTIME_ENV` (`RAYRUNNER_PRELOAD=1`), and a cluster started by rayrunner (its
   scripts, the CLI, the Runner's own cluster, the tests) sets `CLUSTER_ENV`, which has every Ray worker import
   `rayrunner.worker_preload`: a worker with that variable imports the model stack as it starts;
-- after each deploy of a model (the registry's own, or a config's it adopted), the registry asks that node's raylet
-  for one spare worker with the replica's own job and runtime env, kept alive `KEEP_ALIVE_S` (`WarmSpares`). It
-  starts, imports, and waits; the next replica started on the node takes it.
+- `SPARE_DELAY_S` after each deploy of a model (the registry's own, or a config's it adopted), the registry asks
+  that node's raylet for one spare worker with the replica's own job and runtime env, kept alive `KEEP_ALIVE_S`
+  (`WarmSpares`). It starts, imports, and waits; the next replica started on the node takes it.
 
 Ray 2.60 has no public Python API for the raylet's PrestartWorkers call, so it goes through Ray's generated gRPC
 stub; if that fails, a warning is logged once and loads start cold, as before. At most one spare per node waits: a
@@ -37,6 +37,10 @@ CLUSTER_ENV = {"RAY_preload_python_modules": "rayrunner.worker_preload", **serve
 REPLICA_RUNTIME_ENV = {"env_vars": {PRELOAD_ENV_VAR: "1", **serve_transport.REPLICA_ENV}}
 KEEP_ALIVE_S = 600
 WARM_MARGIN_S = 1.0  # a replica whose process is this much older than its deploy ran in a waiting worker
+# A spare is asked for this long after the load, once the requests that waited for the model have their answers:
+# a worker process starting (Python and Ray, before its imports drop to nice +10) took SmolLM2's first answer
+# after a stop from 0.1 s to 0.3-0.45 s on a 2-core box.
+SPARE_DELAY_S = 3.0
 
 
 def prestart_worker(worker: dict[str, Any], keep_alive_s: int = KEEP_ALIVE_S) -> bool:

@@ -4,6 +4,7 @@ request or a reload wakes the same process; a sleeping model can still be stoppe
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from ray import serve
 from rayrunner.deployments.model_server import DEPLOYMENT
 from rayrunner.sources import cache_dir
 from rayrunner.spec import model_app_name
+from rayrunner.warm_workers import SPARE_DELAY_S
 from tests.conftest import Service, model_entry
 
 
@@ -90,6 +92,7 @@ def test_a_stopped_model_loads_again_in_a_waiting_worker(service: Service) -> No
     replica of a stopped model runs in it, a process older than the reload, instead of starting one."""
     for _ in range(2):  # the first deploy here may start cold; it leaves a spare behind for the second
         if service.card("napper")["status"] == "loaded":
+            time.sleep(SPARE_DELAY_S + 1)  # the spare is asked for this long after the load
             assert unload(service, "stop").status_code == 200
         running_before = set(psutil.pids())  # by pid: a young spare's start time is within psutil's 1 s error
         assert service.http.post("/v1/models/reload", json={"model_id": "napper"}).status_code == 200
