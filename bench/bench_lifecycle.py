@@ -2,8 +2,10 @@
 
 Through the router's admin HTTP API (`POST /v1/models/unload` and `POST /v1/models/reload`, body `{"model_id": ...}`;
 both answer once the replica is gone / running) it times unload and reload for a few cycles, and after each cycle
-the bare in-process `AutoModelForCausalLM.from_pretrained(<same folder>, dtype=bf16, disable_mmap=True)` of the same
-cache, so machine noise hits both alike. Reported: medians and reload / bare-load. The replica's own `load_time_s`
+the bare in-process `AutoModelForCausalLM.from_pretrained(<same folder>, dtype=bf16)` of the same cache, memory-mapped
+as the replica loads it (and read into memory, `disable_mmap=True`, as rayrunner loaded before), so machine noise hits
+both alike. Reported: medians, reload / bare load, and the cold reload to first answer (the one-token chat after a
+`stop`, its auto-reload included) / bare load. The replica's own `load_time_s`
 (weights + tokenizer + ISQ, from `ModelServer.info`) splits reload into "Serve + process start + imports" and "load".
 After each cycle it also times the first answer after an unload by `stop` and after one by `sleep` (the replica
 process stays, its weights freed): the auto-reload or the wake is what differs.
@@ -57,10 +59,11 @@ def isq_available(isq: str) -> str | None:
     return None
 
 
-def bare_load(path: str, isq: str | None) -> tuple[float, float]:
-    """Seconds to load the folder in this process, and to quantize it (0 without ISQ)."""
+def bare_load(path: str, isq: str | None, mapped: bool = True) -> tuple[float, float]:
+    """Seconds to load the folder in this process (memory-mapped, or read when not `mapped`), and to quantize it
+    (0 without ISQ)."""
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, disable_mmap=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, disable_mmap=not mapped).eval()
     loaded = time.perf_counter()
     if isq is not None:
         from rayrunner.quantization import quantize_model
@@ -136,6 +139,7 @@ def measure(admin: Admin, model_id: str, isq: str | None, path: str, cycles: int
         row = admin.cycle(model_id)
         row["bare_load"], row["bare_quant"] = bare_load(path, isq)
         row["bare"] = row["bare_load"] + row["bare_quant"]
+        row["bare_read"] = sum(bare_load(path, isq, mapped=False))
         row["stop_first"] = admin.first_answer_after(model_id, "stop")
         row["sleep_first"] = admin.first_answer_after(model_id, "sleep")
         rows.append(row)
@@ -143,6 +147,8 @@ def measure(admin: Admin, model_id: str, isq: str | None, path: str, cycles: int
     result = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     result["ratio"] = statistics.median(r["reload"] / r["bare"] for r in rows)
     result["sleep_ratio"] = statistics.median(r["sleep_first"] / r["stop_first"] for r in rows)
+    result["cold_ratio"] = statistics.median(r["stop_first"] / r["bare"] for r in rows)
+    result["cold_read_ratio"] = statistics.median(r["stop_first"] / r["bare_read"] for r in rows)
     return result
 
 
@@ -205,6 +211,10 @@ def main() -> None:
     for model_id, r in results.items():
         print(f"{model_id:<14} after stop {r['stop_first']:.2f}  after sleep {r['sleep_first']:.2f}  "
               f"sleep/stop {r['sleep_ratio']:.2f}x")
+    print("\nCold reload to first answer (after stop) / bare in-process load (+ quantize), median of cycles' ratios")
+    for model_id, r in results.items():
+        print(f"{model_id:<14} / bare mapped ({r['bare']:.2f} s) {r['cold_ratio']:.1f}x   "
+              f"/ bare read ({r['bare_read']:.2f} s) {r['cold_read_ratio']:.1f}x")
     summary = "; ".join(f"{mid}: unload {r['unload']:.2f} s, reload {r['reload']:.2f} s = {r['ratio']:.1f}x bare "
                         f"load{'+quantize' if isq else ''} ({r['bare']:.2f} s)"
                         for (mid, isq), r in zip(models, results.values(), strict=True))
