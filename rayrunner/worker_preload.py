@@ -13,7 +13,8 @@ The imports run at a lower CPU priority (nice +10) when the process may raise it
 or an `RLIMIT_NICE` that allows it): a spare started after a load then yields the CPU to the replicas serving their
 first requests instead of slowing them down for the ~4 s it imports.
 
-Then what was imported is collected once and frozen (`gc.freeze`): Serve collects and freezes at a replica's start
+Then it builds what transformers otherwise builds at a process's first load, and what was imported is collected
+once and frozen (`gc.freeze`): Serve collects and freezes at a replica's start
 (`RAY_SERVE_FREEZE_GC_ON_STARTUP`), between its constructor and its first health check, and a full collection over
 the imported stack takes ~0.3 s on a 2-core box; over what the replica made since the freeze, ~0.01 s.
 """
@@ -35,6 +36,9 @@ MODULES = (
     "transformers",
     "transformers.modeling_utils",
     "transformers.processing_utils",  # what AutoProcessor/AutoTokenizer pull in on a replica's first load
+    "transformers.generation",
+    "transformers.masking_utils",
+    "transformers.models.llama.modeling_llama",  # the builtin model's architecture, and many others'
     "rayrunner.deployments.model_server",
     "rayrunner.deployments.text_engine",
 )
@@ -52,8 +56,20 @@ def preload() -> None:
                 importlib.import_module(name)
             except Exception:  # a missing optional piece must never break a worker
                 logger.warning("rayrunner could not preload %s", name, exc_info=True)
+        _build_transformers_caches()
         gc.collect()
         gc.freeze()  # the imported stack lives as long as the process: no later collection walks it again
+
+
+def _build_transformers_caches() -> None:
+    """What transformers builds once per process at its first `from_pretrained`: the checkpoint conversion
+    mapping of every architecture (~950 regexes compiled, 0.25 s of a 0.6 s first load on a 2-core box)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        get_checkpoint_conversion_mapping("llama")
+    except Exception:  # another transformers version: the first load builds what it needs, as before
+        logger.debug("transformers' conversion mapping not prebuilt", exc_info=True)
 
 
 @contextlib.contextmanager

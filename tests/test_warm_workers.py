@@ -111,10 +111,12 @@ def test_a_replica_worker_preloads_the_model_server() -> None:
     """The import a model replica's worker runs as it starts (rayrunner.worker_preload with RAYRUNNER_PRELOAD=1)
     gets through to the model server: rayrunner's __init__ imports warm_workers, which once imported worker_preload
     back, so the model server's import of warm_workers failed half-way and the spares waited without it. What it
-    imported is frozen out of later garbage collections (Serve's full collection at a replica's start walked it)."""
+    imported is frozen out of later garbage collections (Serve's full collection at a replica's start walked it),
+    and transformers' conversion mapping, built at a process's first load, is built already."""
     code = ("import gc, sys, rayrunner.worker_preload; "
             "assert 'rayrunner.deployments.model_server' in sys.modules, 'model server not preloaded'; "
-            "assert gc.get_freeze_count() > 100_000, gc.get_freeze_count()")
+            "assert gc.get_freeze_count() > 100_000, gc.get_freeze_count(); "
+            "import transformers.conversion_mapping as c; assert c._checkpoint_conversion_mapping_cache")
     env = {**os.environ, warm_workers.PRELOAD_ENV_VAR: "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
