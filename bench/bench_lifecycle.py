@@ -11,13 +11,16 @@ After each cycle it also times the first answer after an unload by `stop` and af
 process stays, its weights freed): the auto-reload or the wake is what differs.
 With `--isq Q8_0` a second model with `in_situ_quant: Q8_0` is measured the same way, against bare load + quantize
 (skipped with a message when `rayrunner.quantization.quantize_model` is missing or not implemented).
+With `--floor` a tiny random-weight Llama (2 layers, SmolLM2's tokenizer; `tests/tiny_models.py`) is measured the
+same way: its load is next to nothing, so its cold first answer is the fixed cost of a cold start (Serve, the
+tokenizer, one request).
 The first load of each model (cold process, first imports) is a warm-up and not counted.
 
 Each unload comes `--settle` seconds after the model's last load, as when a model serves a while: the spare worker
 that deploy left behind (rayrunner.warm_workers) has imported the model stack by then; `--settle 0` measures
 back-to-back reloads, which start in a spare that has not imported yet.
 
-Run:  .venv/bin/python bench/bench_lifecycle.py [--cycles 3] [--isq Q8_0] [--threads 2] [--settle 10]
+Run:  .venv/bin/python bench/bench_lifecycle.py [--cycles 3] [--isq Q8_0] [--floor] [--threads 2] [--settle 10]
 It starts its own local Ray cluster (Serve and dashboard on free ports in 30000-32000) and shuts it down at the end.
 """
 
@@ -27,6 +30,7 @@ import argparse
 import gc
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -57,6 +61,14 @@ def isq_available(isq: str) -> str | None:
     except (ImportError, NotImplementedError, AttributeError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def tiny_model(folder: str) -> str:
+    """The tests' tiny random-weight Llama, saved to `folder`."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `tests`
+    from tests.tiny_models import build_tiny_llama
+
+    return build_tiny_llama(folder)
 
 
 def bare_load(path: str, isq: str | None, mapped: bool = True) -> tuple[float, float]:
@@ -159,22 +171,25 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=10.0,
                         help="seconds a loaded model serves before each unload (the spare worker a deploy leaves "
                              "behind imports the model stack in ~4 s; 0 measures back-to-back reloads)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also measure a tiny random-weight model: the fixed cost of a cold start")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (replica + driver)")
     parser.add_argument("--http-port", type=int, default=0, help="Serve HTTP port (default: free, 30000-32000)")
     parser.add_argument("--dashboard-port", type=int, default=0, help="dashboard port (default: free)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = resolve(SMOLLM2).path
     engine = {"torch_threads": args.threads, "num_cpus": 0.5}
-    models: list[tuple[str, str | None]] = [(BASE_ID, None)]
+    models: list[tuple[str, str | None, str]] = [(BASE_ID, None, resolve(SMOLLM2).path)]  # id, ISQ, folder
     if args.isq:
         why = isq_available(args.isq)
         if why is None:
-            models.append((f"{BASE_ID}-{args.isq.lower()}", args.isq))
+            models.append((f"{BASE_ID}-{args.isq.lower()}", args.isq, resolve(SMOLLM2).path))
         else:
             print(f"SKIPPING --isq {args.isq}: rayrunner.quantization is not usable yet ({why})")
-    entries = [{"spec": {"model_id": mid, "which": {"type": "plain", "model_id": SMOLLM2}, "in_situ_quant": isq,
-                         "engine": engine}, "load": isq is None} for mid, isq in models]
+    if args.floor:
+        models.append(("tiny-random", None, tiny_model(tempfile.mkdtemp(prefix="rayrunner-bench-tiny-"))))
+    entries = [{"spec": {"model_id": mid, "which": {"type": "plain", "model_id": folder}, "in_situ_quant": isq,
+                         "engine": engine}, "load": mid == BASE_ID} for mid, isq, folder in models]
 
     print(f"load average at start: {os.getloadavg()[0]:.2f} (machine has {os.cpu_count()} CPUs)")
     base = start_cluster(args.dashboard_port, args.http_port)
@@ -189,8 +204,8 @@ def main() -> None:
             admin = Admin(http, args.settle)
             assert http.get("/health").json() == {"status": "ok"}
             admin.wait(BASE_ID, "loaded")
-            for model_id, isq in models:
-                results[model_id] = measure(admin, model_id, isq, path, args.cycles)
+            for model_id, isq, folder in models:
+                results[model_id] = measure(admin, model_id, isq, folder, args.cycles)
                 admin.post("/v1/models/unload", {"model_id": model_id})  # one replica at a time
     finally:
         serve.shutdown()
@@ -202,7 +217,7 @@ def main() -> None:
     header = ("model", "ISQ", "unload", "reload", "pre-load", "load", "post-load", "1st req", "bare load",
               "bare quant", "reload/bare")
     print(f"{header[0]:<14}{header[1]:<6}" + "".join(f"{h:>11}" for h in header[2:-1]) + f"{header[-1]:>13}")
-    for (model_id, isq), r in zip(models, results.values(), strict=True):
+    for (model_id, isq, _), r in zip(models, results.values(), strict=True):
         keys = ("unload", "reload", "pre_load", "replica_load", "post_load", "first", "bare_load", "bare_quant")
         print(f"{model_id:<14}{isq or '-':<6}" + "".join(f"{r[k]:>11.2f}" for k in keys) + f"{r['ratio']:>12.1f}x")
     print("reload = pre-load (Serve deploy, worker start, imports) + load (replica's load_time_s: weights, tokenizer,"
@@ -217,7 +232,7 @@ def main() -> None:
               f"/ bare read ({r['bare_read']:.2f} s) {r['cold_read_ratio']:.1f}x")
     summary = "; ".join(f"{mid}: unload {r['unload']:.2f} s, reload {r['reload']:.2f} s = {r['ratio']:.1f}x bare "
                         f"load{'+quantize' if isq else ''} ({r['bare']:.2f} s)"
-                        for (mid, isq), r in zip(models, results.values(), strict=True))
+                        for (mid, isq, _), r in zip(models, results.values(), strict=True))
     print(f"\nSUMMARY: {summary}")
 
 
