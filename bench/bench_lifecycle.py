@@ -179,15 +179,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engine = {"torch_threads": args.threads, "num_cpus": 0.5}
-    models: list[tuple[str, str | None, str]] = [(BASE_ID, None, resolve(SMOLLM2).path)]  # id, ISQ, folder
+    smollm2 = resolve(SMOLLM2).path
+    scratch = tempfile.TemporaryDirectory(prefix="rayrunner-bench-")  # the registry's state, the tiny model
+    models: list[tuple[str, str | None, str]] = [(BASE_ID, None, smollm2)]  # id, ISQ, folder
     if args.isq:
         why = isq_available(args.isq)
         if why is None:
-            models.append((f"{BASE_ID}-{args.isq.lower()}", args.isq, resolve(SMOLLM2).path))
+            models.append((f"{BASE_ID}-{args.isq.lower()}", args.isq, smollm2))
         else:
             print(f"SKIPPING --isq {args.isq}: rayrunner.quantization is not usable yet ({why})")
     if args.floor:
-        models.append(("tiny-random", None, tiny_model(tempfile.mkdtemp(prefix="rayrunner-bench-tiny-"))))
+        models.append(("tiny-random", None, tiny_model(str(Path(scratch.name) / "tiny-random"))))
     entries = [{"spec": {"model_id": mid, "which": {"type": "plain", "model_id": folder}, "in_situ_quant": isq,
                          "engine": engine}, "load": mid == BASE_ID} for mid, isq, folder in models]
 
@@ -195,8 +197,7 @@ def main() -> None:
     base = start_cluster(args.dashboard_port, args.http_port)
     results: dict[str, dict[str, float]] = {}
     try:
-        with tempfile.TemporaryDirectory(prefix="rayrunner-bench-") as state_dir, \
-                httpx.Client(base_url=base, timeout=900) as http:
+        with scratch as state_dir, httpx.Client(base_url=base, timeout=900) as http:
             config = {"models": entries, "default_model": BASE_ID,
                       "state_path": str(Path(state_dir) / "registry.json")}
             serve.run(build_router_app(config), name="rayrunner", route_prefix="/",
