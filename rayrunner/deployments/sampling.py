@@ -179,11 +179,11 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     probs = torch.softmax(logits / temperature, dim=-1)
     tokens = torch.empty(len(rows), dtype=torch.long, device=device)
     pending = list(range(len(rows)))
-    for width in sorted({min(vocab, w) for w in (*_CANDIDATES, vocab)}):
+    for candidates in sorted({min(vocab, w) for w in (*_CANDIDATES, vocab)}):
         if not pending:
             break
         group = [rows[i] for i in pending]
-        width = min(vocab, max(width, *(r.params.top_k for r in group)))
+        width = min(vocab, max(candidates, *(r.params.top_k for r in group)))  # every top-k whole
         index = torch.tensor(pending, device=device)
         window = _Window(probs[index], group, width)
         fits = window.fits().tolist()
