@@ -228,7 +228,7 @@ class Registry(CapacityMixin):
     async def add(self, entry: dict[str, Any]) -> dict[str, Any]:
         """Register and (with `load`) load a model. For an id already registered with the same spec this attaches
         instead: it adds missing aliases and, with `load`, loads the model if it is not loaded; another spec under
-        that id raises `SpecMismatchError` (a `ModelExistsError`)."""
+        that id raises `SpecMismatchError` (a `ModelExistsError`). The card's `attached` says which it was."""
         await self._ensure_reconciled()
         parsed = ModelEntry.model_validate(entry)
         model_id = parsed.spec.model_id
@@ -238,7 +238,7 @@ class Registry(CapacityMixin):
             self._persist()
             if parsed.load:
                 await self.ensure_loaded(model_id)
-            return self._card(model_id)
+            return {**self._card(model_id), "attached": True}
         self.config.sources.check(parsed.spec.which)  # a new model added at runtime: only from allowed sources
         self.state.check_new(model_id, parsed.aliases)
         record = self.state.add(parsed.spec, parsed.aliases)
@@ -246,7 +246,7 @@ class Registry(CapacityMixin):
         self._persist()
         if parsed.load:
             await self.ensure_loaded(model_id)  # a LoRA model with a host: its host
-        return self._card(model_id)
+        return {**self._card(model_id), "attached": False}
 
     async def remove(self, name: str) -> dict[str, Any]:
         """Forget a model and delete its app. From the first check on, every other change to it is refused."""
@@ -274,6 +274,17 @@ class Registry(CapacityMixin):
         await self._ensure_reconciled()
         model_id = self.state.set_default(self._changeable(name))
         self._persist()
+        return self._card(model_id)
+
+    async def set_pinned(self, name: str, pinned: bool) -> dict[str, Any]:
+        """Pin (never evicted to make room for another model; keep_alive still applies) or unpin a model. Saved,
+        and kept when a router restarts with the same config (`ModelRecord.configure_declared`)."""
+        await self._ensure_reconciled()
+        model_id = self._changeable(name)
+        record = self.state.models[model_id]
+        if record.pinned != pinned:
+            record.pinned = pinned
+            self._persist()
         return self._card(model_id)
 
     async def add_alias(self, model_id: str, alias: str) -> dict[str, Any]:

@@ -112,6 +112,9 @@ class ModelRecord(BaseModel):
     load_count: int = 0
     info: dict[str, Any] = Field(default_factory=dict, description="What the replica reported when it loaded.")
     pinned: bool = False
+    config_pinned: bool | None = Field(None, description="The `pinned` the last applied config declared; a config "
+                                       "changes `pinned` only when its own value differs from this (so a pin or "
+                                       "unpin made at runtime outlives restarts with the same config).")
     keep_alive: KeepAlive = None
     request_keep_alive: KeepAlive = Field(None, description="The last request's own keep_alive, which wins.")
     last_used_at: float | None = None
@@ -127,6 +130,15 @@ class ModelRecord(BaseModel):
             self.pinned = entry.pinned
         if entry.keep_alive is not None:
             self.keep_alive = entry.keep_alive
+
+    def configure_declared(self, entry: ModelEntry) -> None:
+        """`configure` for a config's entry, whose `pinned` applies only when it changed since the last config:
+        every router start applies its config again, which must not undo a runtime pin or unpin."""
+        if entry.pinned == self.config_pinned:
+            entry = entry.model_copy(update={"pinned": None})
+        else:
+            self.config_pinned = entry.pinned
+        self.configure(entry)
 
     def effective_keep_alive(self) -> KeepAlive:
         return self.request_keep_alive if self.request_keep_alive is not None else self.keep_alive
@@ -271,18 +283,19 @@ class RegistryState(BaseModel):
 
     def apply_config(self, config: RegistryConfig) -> ConfigChanges:
         """Make the config the source of truth for what it declares: its models' specs (new ones are registered,
-        changed ones replaced), their aliases (added where free), and the default when the config's own value
-        changed since the last config. Models and aliases added at runtime, and a runtime default, are kept."""
+        changed ones replaced), their aliases (added where free), and the default and each model's `pinned` when
+        the config's own value changed since the last config. Models and aliases added at runtime, and a runtime
+        default or pin, are kept."""
         changes = ConfigChanges()
         for entry in config.models:
             model_id = entry.spec.model_id
             if model_id not in self.models:
                 self.check_new(model_id, entry.aliases)
-                self.add(entry.spec, entry.aliases).configure(entry)
+                self.add(entry.spec, entry.aliases).configure_declared(entry)
                 changes.added.append(model_id)
                 changes.log.append(f"model `{model_id}` registered from the config")
                 continue
-            self.models[model_id].configure(entry)
+            self.models[model_id].configure_declared(entry)
             differences = spec_differences(self.models[model_id].spec, entry.spec)
             if differences:
                 self.models[model_id].spec = entry.spec

@@ -130,3 +130,22 @@ def test_config_sets_pinned_and_keep_alive_and_leaves_what_it_does_not_say() -> 
     state.apply_config(config(unpinned))
     assert not record.pinned
     assert RegistryState.model_validate_json(state.model_dump_json()).models["m"].keep_alive == "5m"
+
+
+def test_a_runtime_pin_or_unpin_outlives_restarts_with_the_same_config() -> None:
+    """Every router start applies its config again: a config's `pinned` applies only when its value changed."""
+    declared = ModelEntry.model_validate({"spec": entry("m").spec.model_dump(), "pinned": True})
+    state = RegistryState()
+    state.apply_config(config(declared))
+    record = state.models["m"]
+    assert record.pinned
+    record.pinned = False  # `rayrunner unpin m`
+    restarted = RegistryState.model_validate_json(state.model_dump_json())
+    restarted.apply_config(config(declared))
+    assert restarted.models["m"].pinned is False
+    undeclared = ModelEntry.model_validate({"spec": entry("m").spec.model_dump(), "pinned": False})
+    restarted.models["m"].pinned = True  # `rayrunner pin m`
+    restarted.apply_config(config(undeclared))  # the config's own value changed: it wins
+    assert restarted.models["m"].pinned is False
+    restarted.apply_config(config(declared))
+    assert restarted.models["m"].pinned is True

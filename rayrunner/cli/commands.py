@@ -1,6 +1,6 @@
-"""The `rayrunner` typer app: `serve`, `ps`, the admin commands, `chat` and `run`.
+"""The `rayrunner` typer app: `serve`, `check-config`, `ps`, the admin commands, `chat` and `run`.
 
-Every command but `serve` talks to a running service at `--url` (`RAYRUNNER_URL`) with `--api-key`
+Every command but `serve` and `check-config` talks to a running service at `--url` (`RAYRUNNER_URL`) with `--api-key`
 (`RAYRUNNER_API_KEY`); each prints a short line (or a table, or an answer) and exits 0, or prints one error line
 on stderr and exits 1.
 """
@@ -23,6 +23,7 @@ from rich.console import Console
 from rayrunner.cli.api import DEFAULT_URL, Api, CliError
 from rayrunner.cli.conversation import Conversation, Sampling, chat_loop, run_once
 from rayrunner.cli.tables import print_models
+from rayrunner.config_check import ConfigError, check_serve_config
 from rayrunner.warm_workers import CLUSTER_ENV
 
 app = typer.Typer(
@@ -58,6 +59,8 @@ class ModelType(str, Enum):
 SOURCE_FIELD = {ModelType.gguf: "quantized_model_id"}
 
 ModelArg = Annotated[str, typer.Argument(metavar="MODEL", help="Model id or alias.", show_default=False)]
+ConfigArg = Annotated[Path, typer.Argument(metavar="CONFIG", help="Serve config file (for `serve`, extra options "
+                                           "go to `serve run`).")]
 SystemOpt = Annotated[str | None, typer.Option("--system", "-s", help="System prompt.", show_default=False)]
 MaxTokensOpt = Annotated[int | None, typer.Option("--max-tokens", min=1, help="Most tokens per answer.",
                                                   show_default=False)]
@@ -108,16 +111,11 @@ def _api(ctx: typer.Context) -> Api:
 
 
 @command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def serve(
-    ctx: typer.Context,
-    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="Serve config file (extra options go to "
-                                           "`serve run`).")] = DEFAULT_CONFIG,
-) -> None:
+def serve(ctx: typer.Context, config: ConfigArg = DEFAULT_CONFIG) -> None:
     """Run the service in the foreground: Ray Serve's `serve run CONFIG`, with scripts/serve.sh's Ray settings
     (RAY_AUTH_MODE=disabled, RAY_USAGE_STATS_ENABLED=0, RAY_preload_python_modules) where the environment does
-    not set them."""
-    if not config.is_file():
-        raise CliError(f"config file `{config}` not found")
+    not set them. The config is checked first (see `check-config`)."""
+    _checked(config)
     here = Path(sys.executable).parent
     exe = shutil.which("serve", path=str(here)) or shutil.which("serve")
     if exe is None:
@@ -126,6 +124,23 @@ def serve(
         os.environ.setdefault(name, value)
     sys.stdout.flush()
     os.execv(exe, [exe, "run", str(config), *ctx.args])
+
+
+@command(name="check-config")
+def check_config(config: ConfigArg = DEFAULT_CONFIG) -> None:
+    """Check a serve config's rayrunner apps (router and model args) as their builders will, without Ray: exit 1
+    with one line naming the first invalid field."""
+    checked = _checked(config)
+    typer.echo(f"{config}: ok ({checked} rayrunner app{'s' if checked != 1 else ''})")
+
+
+def _checked(config: Path) -> int:
+    if not config.is_file():
+        raise CliError(f"config file `{config}` not found")
+    try:
+        return check_serve_config(config)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
 
 
 @command()
@@ -188,6 +203,20 @@ def alias(ctx: typer.Context, model: ModelArg,
     """Give a model another name."""
     card = _api(ctx).post("/v1/models/aliases", {"model_id": model, "alias": name})
     typer.echo(f"{card['id']}: aliases {', '.join(card['aliases'])}")
+
+
+@command()
+def pin(ctx: typer.Context, model: ModelArg) -> None:
+    """Never evict a model to make room for another (its keep_alive still applies)."""
+    card = _api(ctx).post("/v1/models/pin", {"model_id": model})
+    typer.echo(f"{card['id']}: pinned")
+
+
+@command()
+def unpin(ctx: typer.Context, model: ModelArg) -> None:
+    """Let a pinned model be evicted to make room again."""
+    card = _api(ctx).post("/v1/models/unpin", {"model_id": model})
+    typer.echo(f"{card['id']}: unpinned")
 
 
 @command()

@@ -13,13 +13,15 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve import Application
+from ray.serve.exceptions import RayServeException
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rayrunner import logs, metrics
+from rayrunner.config_check import describe
 from rayrunner.errors import InvalidRequestError, RayRunnerError, client_error
 from rayrunner.protocol import (
     AddModelBody,
@@ -212,9 +214,14 @@ class Router:
     async def http_reload(self, body: ModelIdBody) -> dict[str, Any]:
         return cards.status_of(await self.reload_model(body.model_id))
 
-    @api.post("/v1/models/add", status_code=201)
-    async def http_add(self, body: AddModelBody) -> dict[str, Any]:
-        return cards.model_object(await self.add_model(body.model_dump()))
+    @api.post("/v1/models/add", status_code=201,
+              responses={200: {"description": "The same model was registered already: attached to it."}})
+    async def http_add(self, body: AddModelBody, response: Response) -> dict[str, Any]:
+        """201 when this call registered the model; 200 when it attached to the same one, already registered."""
+        card = await self.add_model(body.model_dump())
+        if card["attached"]:
+            response.status_code = 200
+        return cards.model_object(card)
 
     @api.post("/v1/models/remove")
     async def http_remove(self, body: ModelIdBody) -> dict[str, Any]:
@@ -227,6 +234,14 @@ class Router:
     @api.post("/v1/models/aliases")
     async def http_alias(self, body: AliasBody) -> dict[str, Any]:
         return cards.model_object(await self.add_alias(body.model_id, body.alias))
+
+    @api.post("/v1/models/pin")
+    async def http_pin(self, body: ModelIdBody) -> dict[str, Any]:
+        return cards.model_object(await self.pin_model(body.model_id))
+
+    @api.post("/v1/models/unpin")
+    async def http_unpin(self, body: ModelIdBody) -> dict[str, Any]:
+        return cards.model_object(await self.unpin_model(body.model_id))
 
     # ------------------------------------------------------------ Python API (DeploymentHandle)
 
@@ -332,6 +347,13 @@ class Router:
     async def add_alias(self, model: str, alias: str) -> dict[str, Any]:
         return await self._admin("add_alias", model, alias)
 
+    async def pin_model(self, model: str) -> dict[str, Any]:
+        """Never evict the model to make room for another (its keep_alive still applies); kept across restarts."""
+        return await self._admin("set_pinned", model, True)
+
+    async def unpin_model(self, model: str) -> dict[str, Any]:
+        return await self._admin("set_pinned", model, False)
+
     async def _admin(self, operation: str, *args: Any) -> Any:
         try:
             return await self.service.admin(operation, *args)
@@ -341,6 +363,13 @@ class Router:
 
 def build_router_app(args: dict[str, Any]) -> Application:
     """Application builder for config files: `import_path: rayrunner.router.app:build_router_app`, with a
-    `RegistryConfig` (models, default_model, state_path, timeouts) as `args`."""
-    config = RegistryConfig.model_validate(args)
+    `RegistryConfig` (models, default_model, state_path, timeouts) as `args`.
+
+    Invalid `args` raise RayServeException with one line naming the field: Serve's build task does not retry that
+    type (it retried any other exception three times, ~25 s on 2 cores, before DEPLOY_FAILED) and shows its message
+    alone as the app's status message, instead of a pydantic dump inside a traceback."""
+    try:
+        config = RegistryConfig.model_validate(args)
+    except ValidationError as exc:
+        raise RayServeException(f"invalid router config: args{describe(RegistryConfig, args, exc)}") from None
     return Router.bind(config.model_dump(mode="json"))  # type: ignore[attr-defined]

@@ -172,6 +172,20 @@ def test_add_alias_default_remove_round_trip(service: Service, tiny_llama_dir: s
     assert failed(cli(service, "remove", "gamma")) == "model `gamma` was not found"
 
 
+def test_pin_and_unpin_are_saved(service: Service) -> None:
+    def saved() -> bool:
+        return bool(json.loads(Path(service.config["state_path"]).read_text())["models"]["org/beta"]["pinned"])
+
+    assert ok(service, "pin", "b") == "org/beta: pinned\n"
+    assert service.card("org/beta")["pinned"] is True and saved()
+    assert ok(service, "pin", "org/beta") == "org/beta: pinned\n"  # already pinned: no change, no error
+    assert ok(service, "unpin", "b") == "org/beta: unpinned\n"
+    assert service.card("org/beta")["pinned"] is False and not saved()
+    assert failed(cli(service, "pin", "nope")) == "model `nope` was not found"
+    assert failed(cli(service, "unpin", "b", key=USER_KEY)) == (
+        "this key may not use the admin API (it needs an admin key)")
+
+
 def test_the_installed_console_script(service: Service) -> None:
     env = {**os.environ, "RAYRUNNER_URL": service.url, "RAYRUNNER_API_KEY": ADMIN_KEY}
 
@@ -195,3 +209,16 @@ def test_serve_runs_ray_serves_own_serve_run() -> None:
     passed = subprocess.run([str(SCRIPT), "serve", str(CONFIG), "--no-such-option"], capture_output=True,
                             text=True, timeout=120)
     assert passed.returncode == 2 and "serve run" in passed.stderr and "--no-such-option" in passed.stderr
+
+
+def test_check_config_and_serve_refuse_an_invalid_config_in_one_line(tmp_path: Path) -> None:
+    assert CliRunner().invoke(app, ["check-config", str(CONFIG)]).stdout == f"{CONFIG}: ok (2 rayrunner apps)\n"
+    bad = tmp_path / "serve_config.yaml"
+    minilm = "            which: {type: embedding, model_id: all-minilm-l6-v2}\n"
+    bad.write_text(CONFIG.read_text().replace(minilm, minilm + "            engine: {max_num_seq: 4}\n"))
+    expected = (f"{bad}: applications[1].args.models[1].spec.engine.max_num_seq: unknown field "
+                "(did you mean max_num_seqs?)")
+    assert failed(CliRunner().invoke(app, ["check-config", str(bad)])) == expected
+    # `serve` checks before `serve run` starts anything (which, with this config, would never serve)
+    refused = subprocess.run([str(SCRIPT), "serve", str(bad)], capture_output=True, text=True, timeout=120)
+    assert (refused.returncode, refused.stdout, refused.stderr) == (1, "", f"error: {expected}\n")

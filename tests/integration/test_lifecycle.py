@@ -197,7 +197,7 @@ def test_add_and_remove_at_runtime(service: Service, tiny_llama_dir: str) -> Non
     added = post(service, "add", model_id="gamma", which=which, aliases=["g"], load=False)
     assert added.status_code == 201 and added.json()["status"] == "unloaded"
     same = post(service, "add", model_id="gamma", which=which, aliases=["g"])  # the same spec: attach, and load
-    assert same.status_code in (200, 201) and same.json()["status"] == "loaded" and same.json()["aliases"] == ["g"]
+    assert same.status_code == 200 and same.json()["status"] == "loaded" and same.json()["aliases"] == ["g"]
     other = post(service, "add", model_id="gamma", which=which, engine={"default_max_tokens": 7})
     assert other.status_code == 409 and other.json()["error"]["code"] == "model_exists"
     assert "engine.default_max_tokens: 256 -> 7" in other.json()["error"]["message"]
@@ -211,6 +211,15 @@ def test_add_and_remove_at_runtime(service: Service, tiny_llama_dir: str) -> Non
     assert post(service, "remove", model_id="g").json() == {"model_id": "gamma", "removed": True}
     assert service.chat("hi", model="gamma").status_code == 404
     assert "gamma" not in [m["id"] for m in service.http.get("/v1/models").json()["data"]]
+
+
+def test_a_responses_request_keep_alive_sets_the_models_deadline(service: Service) -> None:
+    ensure(service, "org/beta", "loaded")
+    body = {"model": "b", "input": "hi", "max_output_tokens": 2, "keep_alive": 0}
+    answered = service.http.post("/v1/responses", json=body)
+    assert answered.status_code == 200, answered.text
+    wait_status(service, "org/beta", "unloaded", timeout_s=30)  # idle, and its keep_alive of 0 ran out
+    assert service.card("org/beta")["unloaded_reason"] == "idle"
 
 
 def test_model_a_keeps_serving_while_b_changes(service: Service, tiny_llama_dir: str) -> None:

@@ -1,0 +1,131 @@
+"""A serve config checked before `serve run`: each rayrunner app's `args` against the pydantic model its builder
+validates them with, reported as one line that names the field.
+
+`serve run` submits a config and then only waits: an app whose builder raises is retried by Serve and ends
+DEPLOY_FAILED, its reason in Ray's logs, while `serve run` keeps running and serves nothing. `rayrunner serve`,
+`rayrunner check-config` and scripts/serve.sh run this check first, and the router's builder reports a bad `args`
+with the same line (`args_problem`). No Ray here: the check runs in a plain process in well under a second.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from rayrunner.registry_state import RegistryConfig
+from rayrunner.spec import ModelSpec
+
+# Each rayrunner application builder and the model it validates its `args` with (tests check both resolve).
+APP_ARGS: dict[str, type[BaseModel]] = {
+    "rayrunner.router.app:build_router_app": RegistryConfig,
+    "rayrunner.deployments.model_server:build_model_app": ModelSpec,
+}
+
+
+class ConfigError(ValueError):
+    """A config that cannot serve; the message is one line naming the file and the field."""
+
+
+def check_serve_config(path: Path) -> int:
+    """Raise ConfigError for the first problem in the serve config at `path`; return how many rayrunner apps
+    were checked."""
+    try:
+        config = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(exc).split())})") from None
+    apps = config.get("applications") if isinstance(config, dict) else None
+    if not isinstance(apps, list):
+        raise ConfigError(f"{path}: applications: a list of Serve applications is required")
+    checked = 0
+    for index, app in enumerate(apps):
+        model = APP_ARGS.get(app.get("import_path", "")) if isinstance(app, dict) else None
+        if model is None:
+            continue  # not rayrunner's: `serve run` checks it against Serve's own schema
+        problem = args_problem(model, app.get("args") or {})
+        if problem is not None:
+            raise ConfigError(f"{path}: applications[{index}].args{problem}")
+        checked += 1
+    return checked
+
+
+def args_problem(model: type[BaseModel], args: Any) -> str | None:
+    """None when `args` validate as `model`; else the first problem as `.field.path: what is wrong`
+    (`: what is wrong` for a check across fields)."""
+    try:
+        model.model_validate(args)
+    except ValidationError as exc:
+        return describe(model, args, exc)
+    return None
+
+
+def describe(model: type[BaseModel], args: Any, exc: ValidationError) -> str:
+    """One line for a ValidationError of `model` on `args`. An unknown field comes first: a misspelt field is
+    often also reported as the required field it was meant to be."""
+    errors = exc.errors()
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    loc = tuple(first["loc"])
+    if first["type"] == "extra_forbidden":
+        message = "unknown field" + _hint(str(loc[-1]), _field_names(model, loc[:-1]))
+    elif first["type"] == "missing":
+        message = "required field missing"
+    else:
+        message = str(first["msg"]).removeprefix("Value error, ")
+    return f"{_shown(args, loc)}: {message}"
+
+
+def _shown(data: Any, loc: tuple[Any, ...]) -> str:
+    """`loc` as the user wrote it (`.models[1].spec.engine`): pydantic's union tags, which are not keys of the
+    data, are left out."""
+    shown = ""
+    for key in loc:
+        if isinstance(data, list) and isinstance(key, int) and 0 <= key < len(data):
+            shown, data = f"{shown}[{key}]", data[key]
+        elif isinstance(data, dict) and key in data:
+            shown, data = f"{shown}.{key}", data[key]
+        elif key == loc[-1]:
+            shown = f"{shown}.{key}"  # a required field that is missing
+    return shown
+
+
+def _hint(name: str, fields: list[str]) -> str:
+    close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {close[0]}?)"
+    return f" (known fields: {', '.join(fields)})" if fields else ""
+
+
+def _field_names(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the model(s) that `loc` leads to from `root` (every member of a union whose tag the loc
+    does not name)."""
+    models = [root]
+    for key in loc:
+        if not isinstance(key, str):
+            continue  # a list index or dict key: the annotation already named the item's models
+        inner = [m.model_fields[key].annotation for m in models if key in m.model_fields]
+        if inner:
+            models = [found for annotation in inner for found in _models_in(annotation)]
+        else:  # a union's tag, e.g. `plain` of `which`
+            models = [m for m in models if key in _tags(m)] or models
+    return sorted({name for m in models for name in m.model_fields})
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [found for arg in typing.get_args(annotation) for found in _models_in(arg)]
+
+
+def _tags(model: type[BaseModel]) -> set[str]:
+    """The values of a tagged union member's `type` field (its Literal)."""
+    field = model.model_fields.get("type")
+    if field is None or typing.get_origin(field.annotation) is not Literal:
+        return set()
+    return {str(value) for value in typing.get_args(field.annotation)}
+
