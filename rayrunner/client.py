@@ -3,19 +3,27 @@
 A Runner is a client of the router deployment: every call goes through the router's `DeploymentHandle`, so Python,
 handles and HTTP share one behaviour. Errors come back as rayrunner's `ValueError` subclasses. A Runner is safe to
 use from many threads at once: concurrent requests reach the model deployment together and are batched there.
-Runners in one process share one service, so a second `Runner(which=...)` for a model attaches to it.
+
+Runners in one process share one service, but, as in mistral.rs, each `Runner(which=...)` holds the models it was
+built with (and those added through it): its `list_models*` show those, its `default` is its first model, and a
+request without `model_id` goes there. A second Runner for the same model with the same spec attaches to it; with
+another spec (say another `in_situ_quant`) its model is registered beside the first under an id derived from the spec
+(`<id>@Q4K`), which that Runner also answers to by the plain id. `Runner.connect()` sees the whole service.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from rayrunner.errors import RayRunnerError, unwrap
+from rayrunner.errors import RayRunnerError, SpecMismatchError, unwrap
 from rayrunner.protocol import (
+    DEFAULT_MODEL,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -38,7 +46,16 @@ def _entry(model_id: str | None, which: Any, in_situ_quant: str | None, aliases:
     parsed = Which.parse(which)
     spec = build_spec(model_id or parsed.source, parsed, in_situ_quant, engine)
     return {"spec": spec.model_dump(mode="json"), "aliases": aliases, "load": load, "pinned": pinned or None,
-            "keep_alive": keep_alive}
+            "keep_alive": keep_alive, "derivable": model_id is None}
+
+
+def spec_variant_ids(spec: dict[str, Any]) -> list[str]:
+    """Ids a spec may take when its plain id is registered with another spec: `<id>@<ISQ>` (or `@full` without
+    one), then that plus a short hash of the whole spec, so one spec always lands on the same id."""
+    base = f"{spec['model_id']}@{spec.get('in_situ_quant') or 'full'}"
+    load_config = {key: value for key, value in spec.items() if key != "model_id"}
+    digest = hashlib.sha1(json.dumps(load_config, sort_keys=True).encode()).hexdigest()[:6]
+    return [base, f"{base}-{digest}"]
 
 
 class Runner:
@@ -73,27 +90,33 @@ class Runner:
         self._owns_cluster = _start_ray(address, log_level)
         self.app_name = app_name
         self._handle = _ensure_router(app_name, http_port, state_path, self._owns_cluster)
+        self._scoped = bool(models)  # a Runner built without models sees the whole service, as `connect` does
+        self._own: list[str] = []  # ids of the models this Runner holds, in the order it got them
+        self._plain_ids: dict[str, str] = {}  # a plain id this Runner's model took a spec-derived id for -> that id
+        self._default: str | None = None
         for entry in models:
-            self._call("add_model_entry", entry)
+            self._register(entry)
         if _default is not None:
             self.set_default_model_id(_default)
 
     @classmethod
     def connect(cls, address: str | None = "auto", app_name: str = APP_NAME,
                 log_level: str | int = "WARNING") -> Runner:
-        """Attach to a running rayrunner router (e.g. one started by `serve run serve_config.yaml`)."""
+        """Attach to a running rayrunner router (e.g. one started by `serve run serve_config.yaml`): this Runner
+        sees and changes the whole service (every model, the service's default)."""
         from ray import serve
 
         runner = cls.__new__(cls)
         runner._owns_cluster = _start_ray(address, log_level, attach_only=True)
         runner.app_name = app_name
         runner._handle = serve.get_app_handle(app_name)
+        runner._scoped, runner._own, runner._plain_ids, runner._default = False, [], {}, None
         return runner
 
     # ------------------------------------------------------------ models
 
     def list_models(self) -> list[str]:
-        """Ids of the loaded models."""
+        """Ids of the loaded models (of this Runner's, unless it was made by `connect`)."""
         return [m["model_id"] for m in self._cards() if m["status"] == "loaded"]
 
     def list_models_with_status(self) -> list[tuple[str, str]]:
@@ -103,44 +126,53 @@ class Runner:
         return [m["model_id"] for m in self._cards() if m["status"] == "unloaded"]
 
     def get_model_status(self, model_id: str) -> str:
-        return str(self._call("get_model_status", model_id))
+        return str(self._call("get_model_status", self._name(model_id)))
 
     def is_model_loaded(self, model_id: str) -> bool:
         return self.get_model_status(model_id) == "loaded"
 
     def get_default_model_id(self) -> str | None:
+        """This Runner's default: its first model unless set (the service's default for a connected Runner)."""
+        if self._scoped and self._default is not None:
+            return self._default
         result = self._call("get_default_model_id")
         return None if result is None else str(result)
 
     def set_default_model_id(self, model_id: str) -> None:
-        self._call("set_default_model_id", model_id)
+        """Route requests without a model here; also the service's default, which HTTP clients get."""
+        card = self._call("set_default_model_id", self._name(model_id))
+        self._default = str(card["model_id"])
 
     def unload_model(self, model_id: str, mode: str = "stop") -> None:
         """`mode="stop"` frees everything (the replica exits); `"sleep"` keeps the replica process and frees the
         weights, so the next request or reload wakes it much faster. Either way the status is `unloaded`."""
-        self._call("unload_model", model_id, mode)
+        self._call("unload_model", self._name(model_id), mode)
 
     def reload_model(self, model_id: str) -> None:
-        self._call("reload_model", model_id)
+        self._call("reload_model", self._name(model_id))
 
     def add_model(self, model_id: str, which: Any, in_situ_quant: str | None = None, aliases: tuple[str, ...] = (),
                   load: bool = True, engine: dict[str, Any] | None = None, *, pinned: bool = False,
                   keep_alive: str | float | None = None) -> None:
-        """Register (and with `load`, load) a model. `pinned`: never evicted to make room; `keep_alive`: unload
-        after this long idle ("5m", "30s", seconds, -1 forever)."""
-        entry = _entry(model_id, which, in_situ_quant, list(aliases), load, engine, pinned, keep_alive)
-        self._call("add_model_entry", entry)
+        """Register (and with `load`, load) a model, which this Runner then holds. `pinned`: never evicted to make
+        room; `keep_alive`: unload after this long idle ("5m", "30s", seconds, -1 forever)."""
+        self._register(_entry(model_id, which, in_situ_quant, list(aliases), load, engine, pinned, keep_alive))
 
     def add_alias(self, model_id: str, alias: str) -> None:
-        self._call("add_alias", model_id, alias)
+        self._call("add_alias", self._name(model_id), alias)
 
     def remove_model(self, model_id: str) -> None:
-        self._call("remove_model", model_id)
+        """Forget a model in the whole service (other Runners holding it lose it too)."""
+        removed = str(self._call("remove_model", self._name(model_id))["model_id"])
+        self._own = [own for own in self._own if own != removed]
+        self._plain_ids = {plain: own for plain, own in self._plain_ids.items() if own != removed}
+        if self._default == removed:
+            self._default = self._own[0] if self._own else None
 
     def model_card(self, model_id: str) -> dict[str, Any]:
         """Everything the registry knows about a model: spec, status, aliases, weight bytes, quantization, and
         for capacity `pinned`, `keep_alive`, `last_used_at`, `in_flight` and `unloaded_reason`."""
-        result: dict[str, Any] = self._call("model_card", model_id)
+        result: dict[str, Any] = self._call("model_card", self._name(model_id))
         return result
 
     # ------------------------------------------------------------ requests
@@ -149,8 +181,8 @@ class Runner:
         self, request: ChatCompletionRequest, model_id: str | None = None
     ) -> ChatCompletionResponse | Iterator[ChatCompletionChunk]:
         """A response, or with `request.stream=True` an iterator of chunks. `model_id` (None: the request's
-        `model`, usually `default`) decides the route."""
-        body = _body(request, model_id)
+        `model`, usually `default`: this Runner's default model) decides the route."""
+        body = self._body(request, model_id)
         if request.stream:
             return (ChatCompletionChunk.model_validate(c) for c in self._stream("chat_stream", body))
         return ChatCompletionResponse.model_validate(self._call("chat", body))
@@ -158,13 +190,13 @@ class Runner:
     def send_completion_request(
         self, request: CompletionRequest, model_id: str | None = None
     ) -> CompletionResponse | Iterator[CompletionResponse]:
-        body = _body(request, model_id)
+        body = self._body(request, model_id)
         if request.stream:
             return (CompletionResponse.model_validate(c) for c in self._stream("complete_stream", body))
         return CompletionResponse.model_validate(self._call("complete", body))
 
     def send_embedding_request(self, request: EmbeddingRequest, model_id: str | None = None) -> EmbeddingResponse:
-        return EmbeddingResponse.model_validate(self._call("embed", _body(request, model_id)))
+        return EmbeddingResponse.model_validate(self._call("embed", self._body(request, model_id)))
 
     def shutdown(self) -> None:
         """Stop Serve and Ray if this Runner started them; an attached Runner just lets go."""
@@ -177,9 +209,46 @@ class Runner:
 
     # ------------------------------------------------------------ plumbing
 
+    def _register(self, entry: dict[str, Any]) -> None:
+        """Add (or attach to) the entry's model; a spec that clashes with a registered one of the same plain id
+        takes a spec-derived id instead, unless the caller named the id."""
+        entry = dict(entry)
+        derivable = entry.pop("derivable", False)
+        plain = entry["spec"]["model_id"]
+        model_id = self._add_first_free(entry, spec_variant_ids(entry["spec"]) if derivable else [])
+        if model_id != plain:
+            self._plain_ids[plain] = model_id
+        if model_id not in self._own:
+            self._own.append(model_id)
+        self._default = self._default or model_id
+
+    def _add_first_free(self, entry: dict[str, Any], fallback_ids: list[str]) -> str:
+        """The id the entry's model got: its own, or the first fallback not registered with another spec."""
+        try:
+            return str(self._call("add_model_entry", entry)["model_id"])
+        except SpecMismatchError:
+            if not fallback_ids:
+                raise
+        renamed = {**entry, "spec": {**entry["spec"], "model_id": fallback_ids[0]}}
+        return self._add_first_free(renamed, fallback_ids[1:])
+
+    def _name(self, name: str) -> str:
+        """What a name means to this Runner: `default` is its default model, a plain id its own variant."""
+        if name == DEFAULT_MODEL and self._scoped and self._default is not None:
+            return self._default
+        return self._plain_ids.get(name, name)
+
+    def _body(self, request: Any, model_id: str | None) -> dict[str, Any]:
+        body: dict[str, Any] = request.model_dump()
+        body["model"] = self._name(model_id if model_id is not None else body["model"])
+        return body
+
     def _cards(self) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self._call("list_models")
-        return result
+        cards: list[dict[str, Any]] = self._call("list_models")
+        if not self._scoped:
+            return cards
+        by_id = {card["model_id"]: card for card in cards}
+        return [by_id[model_id] for model_id in self._own if model_id in by_id]
 
     def _call(self, method: str, *args: Any) -> Any:
         try:
@@ -222,13 +291,6 @@ class MultiModelBuilder:
 
     def build(self, **runner_options: Any) -> Runner:
         return Runner(_models=self._models, _default=self._default, **runner_options)
-
-
-def _body(request: Any, model_id: str | None) -> dict[str, Any]:
-    body: dict[str, Any] = request.model_dump()
-    if model_id is not None:
-        body["model"] = model_id
-    return body
 
 
 def _public_error(exc: BaseException) -> BaseException:

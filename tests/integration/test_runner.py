@@ -101,6 +101,29 @@ def test_a_second_runner_for_the_same_model_attaches_to_it(runner: Runner, tiny_
     built.remove_model(tiny_llama_dir)
 
 
+def test_runners_with_other_specs_of_one_model_each_hold_their_own(runner: Runner, tiny_llama_dir: str) -> None:
+    """mistral.rs's examples make `Runner(which=X)` and later `Runner(which=X, in_situ_quant=...)` in one script:
+    each gets exactly its model; the second lives beside the first under an id derived from its spec."""
+    plain = Runner(which=Which.Plain(model_id=tiny_llama_dir))
+    quantized = Runner(which=Which.Plain(model_id=tiny_llama_dir, arch=Architecture.Llama), in_situ_quant="Q8_0")
+    variant = f"{tiny_llama_dir}@Q8_0"
+    assert plain.list_models() == [tiny_llama_dir] and quantized.list_models() == [variant]
+    assert quantized.get_default_model_id() == variant and plain.get_default_model_id() == tiny_llama_dir
+    assert quantized.send_chat_completion_request(ask("hi")).model == variant  # no model_id: the Runner's own
+    assert quantized.send_chat_completion_request(ask("hi"), model_id=tiny_llama_dir).model == variant
+    assert quantized.model_card(tiny_llama_dir)["spec"]["in_situ_quant"] == "Q8_0"
+    assert plain.model_card(tiny_llama_dir)["spec"]["in_situ_quant"] is None
+    again = Runner(which=Which.Plain(model_id=tiny_llama_dir, arch=Architecture.Llama), in_situ_quant="Q8_0")
+    assert again.list_models() == [variant]  # the same spec attaches to the same variant
+    quantized.unload_model(tiny_llama_dir)  # its own variant; the plain model stays
+    assert plain.is_model_loaded(tiny_llama_dir) and not quantized.is_model_loaded(tiny_llama_dir)
+    assert plain.send_chat_completion_request(ask("hi")).model == tiny_llama_dir
+    assert again.send_chat_completion_request(ask("hi")).model == variant  # reloaded on request
+    assert ("text-a", "loaded") in Runner.connect(address=None).list_models_with_status()  # connect: service-wide
+    plain.remove_model(tiny_llama_dir)
+    quantized.remove_model(variant)
+
+
 def test_wrong_use_raises_documented_errors(runner: Runner, tiny_llama_dir: str) -> None:
     with pytest.raises(ModelNotFoundError, match="model `nope` was not found"):
         runner.unload_model("nope")
