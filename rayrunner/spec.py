@@ -32,7 +32,10 @@ class EngineSettings(BaseModel):
     resources: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources reserved by each replica, `{name: amount}`."
     )
-    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: CPU count).")
+    torch_threads: int | None = Field(
+        None, ge=1, description="Most torch intra-op threads (default: the replica's share of the node's cores, "
+        "divided among the engines busy right now; see `deployments.core_share`)."
+    )
     max_num_seqs: int = Field(32, ge=1, description="Most sequences decoded together in one step.")
     max_queued_requests: int = Field(
         256, ge=0, description="Most requests waiting for a free sequence slot; past it requests get a 429."

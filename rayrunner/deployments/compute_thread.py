@@ -6,6 +6,9 @@ regions and every worker sleeps until woken, so each op pays a wake-up. On a 2-c
 took 35 ms when the model was loaded in one thread and decoded in another, against 20 ms when one thread did both
 (a bf16 matmul 150 us against 75 us). So an engine loads its model and runs its step loop (or its batches) on one
 `ComputeThread`, and what little torch work runs elsewhere (image preprocessing) runs with `single_threaded_torch`.
+
+How many threads that one thread's pool has follows the engine's `CoreShare` of the node: before each job (and the
+step scheduler before each step) `use_share` sizes it; when no job is left the share is given back.
 """
 
 from __future__ import annotations
@@ -23,15 +26,19 @@ from typing import Any, TypeVar
 
 import torch
 
+from rayrunner.deployments.core_share import CoreShare
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class ComputeThread:
     """A single daemon worker thread (an idle one never holds up the interpreter's exit, unlike an executor's):
-    `call` blocks on a function run there, `run` awaits one, `submit` starts a long one."""
+    `call` blocks on a function run there, `run` awaits one, `submit` starts a long one. `max_threads` caps its
+    share of the node's cores (the spec's `torch_threads`)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, max_threads: int | None = None) -> None:
+        self.cores = CoreShare(cap=max_threads)
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
@@ -59,9 +66,19 @@ class ComputeThread:
             if not future.set_running_or_notify_cancel():
                 continue
             try:
+                self.use_share()
                 future.set_result(call())
             except BaseException as exc:  # handed to whoever waits on the future
                 future.set_exception(exc)
+            if self._jobs.empty():
+                self.cores.idle()
+        self.cores.idle()
+
+    def use_share(self) -> None:
+        """On this thread: size torch's pool to the engine's share of the node's cores now (`CoreShare`)."""
+        threads = self.cores.working()
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
 
 @functools.cache

@@ -96,7 +96,7 @@ class EmbeddingEngine(Engine):
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
-        self.compute = ComputeThread("embedding-engine")
+        self.compute = ComputeThread("embedding-engine", spec.engine.torch_threads)
         self.loaded = self.compute.call(load_model, spec, AutoModel)
         self._model = self.loaded.model
         self._tokenizer = self.loaded.tokenizer
@@ -123,6 +123,7 @@ class EmbeddingEngine(Engine):
                 "pooling": self.pooling.mode,
                 "normalize": self.pooling.normalize,
                 "max_length": self.max_length,
+                "torch_threads": self.compute.cores.threads,
             })
 
     async def embed(self, texts: list[str]) -> EmbeddingResult:

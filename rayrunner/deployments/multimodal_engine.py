@@ -56,7 +56,7 @@ class MultimodalEngine(Engine):
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
-        self.compute = ComputeThread("multimodal-engine")
+        self.compute = ComputeThread("multimodal-engine", spec.engine.torch_threads)
         self.loaded = self.compute.call(load_model, spec, AutoModelForImageTextToText, True)
         self._model = self.loaded.model
         self._processor = self.loaded.processor
@@ -67,7 +67,8 @@ class MultimodalEngine(Engine):
         self.scheduler.start(self.compute)
 
     def info(self) -> EngineInfo:
-        extra = {"model_type": self._model.config.model_type, "scheduler": self.scheduler.stats()}
+        extra = {"model_type": self._model.config.model_type, "scheduler": self.scheduler.stats(),
+                 "torch_threads": self.compute.cores.threads}
         return describe(self.kind, self.loaded, extra)
 
     async def chat(self, request: ChatCompletionRequest, params: SamplingParams, adapter: str | None = None

@@ -148,7 +148,7 @@ class StepScheduler:
         step is made there too: it concatenates weights, and a torch op in another thread slows every later one
         (`compute_thread`)."""
         self.fast_decode = compute.call(FastDecode.for_model, self.model)
-        self._loop_done = compute.submit(self._loop)
+        self._loop_done = compute.submit(self._loop, compute)
 
     def check_health(self) -> None:
         """Raise when the step loop has died, or one step has run past `STUCK_STEP_S` (Serve then replaces the
@@ -171,9 +171,9 @@ class StepScheduler:
 
     # ------------------------------------------------------------ the scheduler thread
 
-    def _loop(self) -> None:
+    def _loop(self, compute: ComputeThread) -> None:
         try:
-            self._steps()
+            self._steps(compute)
         except BaseException as exc:  # a fault outside a model call: nothing can be served any more
             logger.exception("the step loop died")
             self._died_of = exc  # before failing the requests: a health check right after one sees it
@@ -188,15 +188,17 @@ class StepScheduler:
         for sequence in everyone:
             sequence.fail(exc)
 
-    def _steps(self) -> None:
+    def _steps(self, compute: ComputeThread) -> None:
         while True:
             with self._cond:
                 if not (self._waiting or self._running or self._chunking or self._jobs):
                     self._report_load(force=True)  # idle: the gauges say so
+                    compute.cores.idle()  # the node's other engines may take its cores
                 while not (self._closed or self._waiting or self._running or self._chunking or self._jobs):
                     self._cond.wait()
                 if self._closed:
                     return
+            compute.use_share()
             self._step_started_at = time.monotonic()
             with torch.inference_mode():
                 self.step()

@@ -37,7 +37,7 @@ class TextEngine(Engine):
 
     def __init__(self, spec: ModelSpec, loaded: Loaded | None = None) -> None:
         self.spec = spec
-        self.compute = ComputeThread("text-engine")
+        self.compute = ComputeThread("text-engine", spec.engine.torch_threads)
         self.loaded = loaded or self.compute.call(load_model, spec, AutoModelForCausalLM)
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
@@ -72,7 +72,8 @@ class TextEngine(Engine):
 
     def info(self) -> EngineInfo:
         extra = {"max_seq_len": self.max_seq_len, "model_type": self.model.config.model_type,
-                 "scheduler": self.scheduler.stats(), "adapters": self.adapters.loaded}
+                 "scheduler": self.scheduler.stats(), "adapters": self.adapters.loaded,
+                 "torch_threads": self.compute.cores.threads}
         return describe(self.kind, self.loaded, extra)
 
     def chat(self, request: ChatCompletionRequest, params: SamplingParams, adapter: str | None = None

@@ -32,14 +32,20 @@ def service(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Service]:
     svc.close()
 
 
-def replica_pid(model: str) -> int:
-    """The pid of the model's current replica (asked of the replica itself: after a restart the card is stale)."""
+def replica_info(model: str) -> dict[str, Any]:
+    """The info of the model's current replica (asked of the replica itself: after a restart the card is stale)."""
     from ray import serve
 
     from rayrunner.deployments.model_server import DEPLOYMENT
     from rayrunner.spec import model_app_name
 
-    return int(serve.get_deployment_handle(DEPLOYMENT, app_name=model_app_name(model)).info.remote().result()["pid"])
+    handle = serve.get_deployment_handle(DEPLOYMENT, app_name=model_app_name(model))
+    info: dict[str, Any] = handle.info.remote().result()
+    return info
+
+
+def replica_pid(model: str) -> int:
+    return int(replica_info(model)["pid"])
 
 
 def test_replica_killed_mid_stream_gives_a_stable_error(service: Service) -> None:
@@ -87,3 +93,24 @@ def test_full_queue_answers_429_with_retry_after(service: Service) -> None:
             assert response.json()["error"]["code"] == "server_overloaded"
         else:
             assert response.status_code == 200 and "retry-after" not in response.headers
+
+
+def test_two_busy_replicas_share_the_cores_instead_of_each_taking_all(service: Service) -> None:
+    """Two models decoding at once on one node: their engines' torch threads add up to at most the node's cores
+    (each took every core before, and their OpenMP workers fought over them)."""
+    from rayrunner.deployments.core_share import node_cores
+
+    cores = node_cores()
+    with ThreadPoolExecutor(2) as pool:
+        busy = [pool.submit(service.chat, "Tell a long story.", model=model, max_tokens=1900, ignore_eos=True)
+                for model in (MODEL, TIGHT)]
+        deadline = time.monotonic() + 60
+        while not all(replica_info(model)["extra"]["scheduler"]["running"] for model in (MODEL, TIGHT)):
+            assert time.monotonic() < deadline, "the two requests were never decoding at once"
+            time.sleep(0.2)
+        time.sleep(0.5)  # each engine past a recount of the busy ones
+        threads = [replica_info(model)["extra"]["torch_threads"] for model in (MODEL, TIGHT)]
+        assert all(not future.done() for future in busy), "a request ended before both were seen busy"
+        assert sum(threads) <= cores and min(threads) >= 1, threads
+        assert all(future.result().status_code == 200 for future in busy)
+    assert replica_info(MODEL)["extra"]["torch_threads"] >= 1

@@ -1,0 +1,110 @@
+"""Cores shared, not fought over: the node's cores divided among the engines that are busy right now.
+
+Every engine on a node decodes with torch's OpenMP pool. When two busy replicas each size it to the node's core
+count, their workers outnumber the cores and spin-wait at barriers for peers that are descheduled: on a 2-core box 8
+streams to each of two models gave 17 tok/s in total against 64 and 76 for either alone (0.24x). With one thread
+each they gave 128 (1.5x one alone). A fixed count is no answer either: a model busy alone should use the node.
+
+So each engine holds a lease, a file in a node-local folder (`/dev/shm`), whose modification time it refreshes while
+it has work (at most every `REFRESH_S`). Before each unit of work it sizes its pool to its share: the node's cores
+divided among the engines whose lease is fresh (refreshed in the last `STALE_S`), the remainder going to the first in
+lease order, at least one thread each. An engine that goes idle drops its lease, so the others grow back at their
+next refresh. A killed replica's lease is dropped by the next engine that counts (its process is gone). The sum of busy engines' threads
+thus never exceeds the cores (once every engine has seen the newest lease, within `REFRESH_S`), unless there are
+more busy engines than cores, where each keeps one thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+REFRESH_S = 0.1  # how often a busy engine touches its lease and recounts its peers
+# A lease not refreshed for this long belongs to an engine gone idle without saying so (a busy one refreshes between
+# steps, and one step, a long prefill chunk on a loaded node, can take seconds).
+STALE_S = 5.0
+SWEEP_S = 60.0  # a lease this old is deleted by whoever sees it
+
+
+def default_folder() -> Path:
+    """Node-local and shared by every process of the node: `/dev/shm` where there is one (memory, no disk writes)."""
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return root / f"rayrunner-cores-{os.getuid()}"
+
+
+def node_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container's cpuset narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class CoreShare:
+    """One engine's lease on the node's cores. `working()` before each unit of work returns the threads it may use
+    now; `idle()` when it has none left. Not thread-safe: call both from the engine's compute thread."""
+
+    def __init__(self, cap: int | None = None, cores: int | None = None, folder: Path | None = None) -> None:
+        self.cap = cap
+        self.cores = cores or node_cores()
+        self.folder = folder or default_folder()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.lease = self.folder / f"{os.getpid()}-{threading.get_ident()}"
+        self.threads = self._limit(self.cores)
+        self._checked_at = 0.0
+
+    def working(self) -> int:
+        """Refresh the lease and recount the busy engines (at most every `REFRESH_S`); the threads to use now."""
+        now = time.time()
+        if now - self._checked_at >= REFRESH_S:
+            self._checked_at = now
+            self.lease.touch()
+            self.threads = self._limit(self._share(now))
+        return self.threads
+
+    def idle(self) -> None:
+        """Give the cores back: the other busy engines take them at their next refresh."""
+        self._checked_at = 0.0
+        with contextlib.suppress(FileNotFoundError):
+            self.lease.unlink()
+
+    def _share(self, now: float) -> int:
+        busy = sorted(self._busy_leases(now) | {self.lease.name})
+        rank = busy.index(self.lease.name)
+        whole, rest = divmod(self.cores, len(busy))
+        return whole + (1 if rank < rest else 0)
+
+    def _busy_leases(self, now: float) -> set[str]:
+        busy = set()
+        for lease in os.scandir(self.folder):
+            try:
+                age = now - lease.stat().st_mtime
+            except FileNotFoundError:  # dropped meanwhile
+                continue
+            if age > SWEEP_S or not _alive(lease.name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(lease.path)
+            elif age < STALE_S:
+                busy.add(lease.name)
+        return busy
+
+    def _limit(self, threads: int) -> int:
+        return max(1, min(threads, self.cap or threads))
+
+
+def _alive(lease: str) -> bool:
+    """Whether the process a lease is named after (`<pid>-<thread>`) still runs."""
+    try:
+        os.kill(int(lease.split("-")[0]), 0)
+    except ProcessLookupError:
+        return False
+    except (ValueError, PermissionError):  # not a lease name, or another user's live process
+        return True
+    return True
