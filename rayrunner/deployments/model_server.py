@@ -25,6 +25,7 @@ from rayrunner.deployments.sampling import SamplingParams
 from rayrunner.errors import InvalidRequestError
 from rayrunner.load_progress import for_model
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields
+from rayrunner.ready_batches import ready_batches
 from rayrunner.spec import EngineSettings, ModelSpec
 from rayrunner.warm_workers import REPLICA_RUNTIME_ENV
 
@@ -100,14 +101,16 @@ class ModelServer:
             events = self._measured(engine.chat(request, sampling_params(request, self.spec.engine), adapter))
             return (await responses.chat_response(adapter or self.spec.model_id, events, request, tools)).model_dump()
 
-    async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
+        """The reply's chunks, in batches of those ready together (`ready_batches`): one message each to the router."""
         request = ChatCompletionRequest.model_validate(body)
         async with self.slot.use() as engine:
             tools = engine.tool_replies(request)
             adapter = await _request_adapter(engine, body)
             events = self._measured(engine.chat(request, sampling_params(request, self.spec.engine), adapter))
-            async for chunk in responses.chat_chunks(adapter or self.spec.model_id, events, request, tools):
-                yield chunk.model_dump(exclude_none=True)
+            async for batch in ready_batches(responses.chat_chunks(adapter or self.spec.model_id, events, request,
+                                                                   tools)):
+                yield [chunk.model_dump(exclude_none=True) for chunk in batch]
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         request = CompletionRequest.model_validate(body)
@@ -116,13 +119,14 @@ class ModelServer:
             events = self._measured(engine.complete(request, sampling_params(request, self.spec.engine), adapter))
             return (await responses.completion_response(adapter or self.spec.model_id, events, request)).model_dump()
 
-    async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
         request = CompletionRequest.model_validate(body)
         async with self.slot.use() as engine:
             adapter = await _request_adapter(engine, body)
             events = self._measured(engine.complete(request, sampling_params(request, self.spec.engine), adapter))
-            async for chunk in responses.completion_chunks(adapter or self.spec.model_id, events, request):
-                yield chunk.model_dump(exclude_none=True)
+            async for batch in ready_batches(responses.completion_chunks(adapter or self.spec.model_id, events,
+                                                                         request)):
+                yield [chunk.model_dump(exclude_none=True) for chunk in batch]
 
     async def _measured(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
         """The engine's events, each finished choice's figures recorded (`rayrunner.metrics.generation`)."""

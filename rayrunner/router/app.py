@@ -33,6 +33,7 @@ from rayrunner.protocol import (
     ModelIdBody,
     UnloadBody,
 )
+from rayrunner.ready_batches import ready_batches
 from rayrunner.registry_state import RegistryConfig
 from rayrunner.router import cards, timeouts
 from rayrunner.router.gate import Gate
@@ -119,11 +120,14 @@ def validated(model: type[B], body: dict[str, Any]) -> dict[str, Any]:
     return parsed(model, body).model_dump()
 
 
-def sse(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+def sse(batches: AsyncIterator[list[dict[str, Any]]]) -> StreamingResponse:
+    """Server-sent events of the model's chunks: what is ready together leaves in one write (one message to the
+    proxy), each chunk its own `data:` event as clients expect."""
+
     async def frames() -> AsyncIterator[str]:
         try:
-            async for item in items:
-                yield f"data: {json.dumps(item)}\n\n"
+            async for ready in ready_batches(batches):
+                yield "".join(f"data: {json.dumps(item)}\n\n" for batch in ready for item in batch)
         except Exception as exc:  # headers are sent already: report the error in-band, then end the stream
             yield f"data: {json.dumps(client_error(exc).to_dict())}\n\n"
         yield "data: [DONE]\n\n"
@@ -131,7 +135,14 @@ def sse(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(frames(), media_type="text/event-stream")
 
 
-async def _counted(model: str, method: str, stream: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+async def chunks_of(batches: AsyncIterator[list[dict[str, Any]]]) -> AsyncIterator[dict[str, Any]]:
+    """A model stream's chunks one by one (the replica sends them in batches)."""
+    async for batch in batches:
+        for chunk in batch:
+            yield chunk
+
+
+async def _counted(model: str, method: str, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
     """`stream`, counted once when it ends: 200, the status of the error that ended it, or 499 if the client left.
     (Above the Router class: Serve pickles the ingress class when it is decorated, with the globals defined then.)"""
     status = 499
@@ -250,14 +261,14 @@ class Router:
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Streaming chat for handles: call with `handle.options(stream=True).chat_stream.remote(body)`."""
-        async for chunk in await self._open_stream("chat_stream", validated(ChatCompletionRequest, body)):
+        async for chunk in chunks_of(await self._open_stream("chat_stream", validated(ChatCompletionRequest, body))):
             yield chunk
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self._infer("complete", validated(CompletionRequest, body), _GENERATES)
 
     async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        async for chunk in await self._open_stream("complete_stream", validated(CompletionRequest, body)):
+        async for chunk in chunks_of(await self._open_stream("complete_stream", validated(CompletionRequest, body))):
             yield chunk
 
     async def embed(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -279,7 +290,7 @@ class Router:
     async def _response_events(self, request: ResponsesRequest) -> AsyncIterator[dict[str, Any]]:
         """The stream's events, its first chunk already received (so errors before any output keep their status)."""
         chat = validated(ChatCompletionRequest, to_chat_request(request))
-        return stream_events(await self._open_stream("chat_stream", chat), request)
+        return stream_events(chunks_of(await self._open_stream("chat_stream", chat)), request)
 
     async def _infer(self, method: str, body: dict[str, Any], kinds: set[str]) -> dict[str, Any]:
         limits = self.service.config.limits
@@ -293,8 +304,9 @@ class Router:
         metrics.request(self.service.model_label(body["model"]), method, 200)
         return result
 
-    async def _open_stream(self, method: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """The model's stream with its first item already received (errors surface here, before any output)."""
+    async def _open_stream(self, method: str, body: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
+        """The model's stream of chunk batches, its first already received (errors surface here, before any
+        output)."""
         limits = self.service.config.limits
         deadline = timeouts.deadline(limits.request_timeout_s)
         try:

@@ -43,8 +43,8 @@ async def test_sleep_waits_for_a_stream_in_flight(server: ModelServer) -> None:
     chunks: list[dict[str, object]] = []
 
     async def stream() -> None:
-        async for chunk in server.chat_stream({**ASK, "max_tokens": 40, "stream": True}):
-            chunks.append(chunk)
+        async for batch in server.chat_stream({**ASK, "max_tokens": 40, "stream": True}):
+            chunks.extend(batch)
 
     streaming = asyncio.ensure_future(stream())
     await asyncio.sleep(0.3)
