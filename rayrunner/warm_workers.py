@@ -32,8 +32,12 @@ logger = logging.getLogger(__name__)
 # __init__ imports this module, so the model server's own import of it would find it half-initialized.
 PRELOAD_ENV_VAR = "RAYRUNNER_PRELOAD"
 # Read by the raylet when it starts (and by the processes it starts): spares import the model stack; Serve's hops
-# go over gRPC (`serve_transport`).
-CLUSTER_ENV = {"RAY_preload_python_modules": "rayrunner.worker_preload", **serve_transport.CLUSTER_ENV}
+# go over gRPC (`serve_transport`); workers run at the node's normal priority. Ray starts its workers (every
+# replica, the router, the proxy) at nice 15, so any busy nice-0 process on the node (a load generator, a monitoring
+# agent) takes the cores from the serving path: on a 2-core box a decoding replica then spun at 72% CPU for ~1
+# token/s. Serving is what a rayrunner node is for; a spare still imports at a lower priority (`worker_preload`).
+CLUSTER_ENV = {"RAY_preload_python_modules": "rayrunner.worker_preload", "RAY_worker_niceness": "0",
+               **serve_transport.CLUSTER_ENV}
 REPLICA_RUNTIME_ENV = {"env_vars": {PRELOAD_ENV_VAR: "1", **serve_transport.REPLICA_ENV}}
 KEEP_ALIVE_S = 600
 WARM_MARGIN_S = 1.0  # a replica whose process is this much older than its deploy ran in a waiting worker

@@ -4,6 +4,8 @@
 # proxy reaches the router over gRPC unless RAYRUNNER_SERVE_GRPC=0, and replicas take large requests
 # (rayrunner/serve_transport.py).
 export RAY_preload_python_modules="${RAY_preload_python_modules-rayrunner.worker_preload}"
+# Workers (replicas, router, proxy) at the node's normal priority, not Ray's nice 15 (rayrunner/warm_workers.py).
+export RAY_worker_niceness="${RAY_worker_niceness-0}"
 [ "${RAYRUNNER_SERVE_GRPC-1}" = 0 ] && proxy_grpc=0 || proxy_grpc=1
 export RAY_SERVE_PROXY_USE_GRPC="${RAY_SERVE_PROXY_USE_GRPC-$proxy_grpc}"
 export RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH="${RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH-1073741824}"
