@@ -93,6 +93,16 @@ def test_the_router_builder_fails_once_with_the_line() -> None:
     assert str(raised.value) == "invalid router config: args.limits.max_token: unknown field (did you mean max_tokens?)"
 
 
+def test_the_model_builder_fails_once_with_the_line() -> None:
+    from ray.serve.exceptions import RayServeException
+
+    from rayrunner.deployments.model_server import build_model_app
+
+    spec = {"model_id": "m", "which": {"type": "plain", "model_id": "m"}, "engine": {"max_num_seq": 3}}
+    with pytest.raises(RayServeException, match=r"^invalid model spec: args.engine.max_num_seq: unknown field"):
+        build_model_app(spec)
+
+
 def test_serve_sh_checks_the_config_before_serve_run(tmp_path: Path) -> None:
     """scripts/serve.sh as shipped, beside an install.sh that only puts a stand-in `serve` and the venv on PATH."""
     scripts, bin_dir = tmp_path / "scripts", tmp_path / "bin"
