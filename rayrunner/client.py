@@ -158,6 +158,13 @@ class Runner:
         room; `keep_alive`: unload after this long idle ("5m", "30s", seconds, -1 forever)."""
         self._register(_entry(model_id, which, in_situ_quant, list(aliases), load, engine, pinned, keep_alive))
 
+    def pin_model(self, model_id: str) -> None:
+        """Never evict the model to make room for another (keep_alive still applies); saved in the registry."""
+        self._call("pin_model", self._name(model_id))
+
+    def unpin_model(self, model_id: str) -> None:
+        self._call("unpin_model", self._name(model_id))
+
     def add_alias(self, model_id: str, alias: str) -> None:
         self._call("add_alias", self._name(model_id), alias)
 

@@ -81,6 +81,12 @@ def test_multi_model_example_step_by_step(runner: Runner, tiny_llama_dir: str, t
     runner.remove_model("vision")
     assert "vision" not in dict(runner.list_models_with_status())
 
+    # Pinned (never evicted to make room) and back, saved in the registry.
+    runner.pin_model("b")
+    assert runner.model_card("text-b")["pinned"] is True
+    runner.unpin_model("text-b")
+    assert not runner.model_card("text-b")["pinned"]
+
 
 def test_a_second_runner_for_the_same_model_attaches_to_it(runner: Runner, tiny_llama_dir: str) -> None:
     """As mistral.rs's example does: a new `Runner(which=...)` per function, in one process, none shut down."""
