@@ -6,15 +6,19 @@ without pulling in an engine.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
 from rayrunner.capacity import KeepAlive, checked_keep_alive
+from rayrunner.unsupported_fields import (
+    VllmChatUnsupported,
+    VllmCompletionUnsupported,
+    not_yet,
+    not_yet_doc,
+)
 
 DEFAULT_MODEL = "default"
 
@@ -27,25 +31,6 @@ class _Lenient(BaseModel):
     """OpenAI bodies: unknown fields (e.g. `user`, `metadata`) are accepted and ignored, like OpenAI does."""
 
     model_config = ConfigDict(extra="ignore")
-
-
-def _not_yet(*accepted: Any) -> AfterValidator:
-    """Marks an OpenAI field rayrunner does not implement yet: only its no-op values are accepted, any other is a
-    400 naming the field, rather than an answer that silently ignores what the client asked for."""
-    shown = " or ".join(json.dumps(value) for value in accepted)
-
-    def check(value: Any) -> Any:
-        if value not in accepted:
-            raise PydanticCustomError(
-                "not_supported_yet", "a value other than {accepted} is not supported yet", {"accepted": shown}
-            )
-        return value
-
-    return AfterValidator(check)
-
-
-def _not_yet_doc(what: str) -> str:
-    return f"{what} Not supported yet: only the default is accepted, any other value is a 400."
 
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -147,6 +132,14 @@ class SamplingFields(_Lenient):
     stop: str | list[str] | None = Field(None, description="Stop before any of these strings (not included).")
     stop_token_ids: list[TokenId] | None = Field(None, description="vLLM extension: stop once one of these token "
                                                  "ids is generated.")
+    ignore_eos: bool = Field(False, description="vLLM extension: the model's end-of-sequence tokens do not end the "
+                             "reply (max_tokens, stop strings and stop_token_ids still do); benchmarks use it to fix "
+                             "output lengths.")
+    min_tokens: int = Field(0, ge=0, description="vLLM extension: until this many tokens are out, EOS and "
+                            "stop_token_ids are masked and stop strings do not end the reply (at most max_tokens).")
+    include_stop_str_in_output: bool = Field(False, description="vLLM extension: keep the stop string (or the stop "
+                                             "token's text) that ended the reply.")
+    skip_special_tokens: bool = Field(True, description="vLLM extension: false keeps special tokens in the text.")
     seed: int | None = Field(None, description="Seed for sampling, for repeatable answers.")
     n: int | None = Field(1, ge=1, le=MAX_CHOICES, description="Choices to generate from the one prompt (its "
                           f"prefill is shared), at most {MAX_CHOICES}; a seed gives choice i the seed + i.")
@@ -207,7 +200,7 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, VllmChatUnsupported):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Same as max_tokens (wins over it).")
     logprobs: bool | None = Field(None, description="Return each output token's log probability.")
@@ -219,10 +212,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="`auto` (default with tools), `none`, `required`, or one named function.")
     parallel_tool_calls: bool | None = Field(None, description="Allow several calls in one answer (default true).")
-    functions: Annotated[list[dict[str, Any]] | None, _not_yet([], None)] = Field(
-        None, description=_not_yet_doc("Deprecated form of tools."))
-    function_call: Annotated[str | dict[str, Any] | None, _not_yet("none", None)] = Field(
-        None, description=_not_yet_doc("Deprecated form of tool_choice."))
+    functions: Annotated[list[dict[str, Any]] | None, not_yet([], None)] = Field(
+        None, description=not_yet_doc("Deprecated form of tools."))
+    function_call: Annotated[str | dict[str, Any] | None, not_yet("none", None)] = Field(
+        None, description=not_yet_doc("Deprecated form of tool_choice."))
 
     @model_validator(mode="after")
     def _merge_max_tokens(self) -> ChatCompletionRequest:
@@ -247,18 +240,20 @@ class ChatCompletionRequest(SamplingFields):
         return any(m.image_urls() for m in self.messages)
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, VllmCompletionUnsupported):
     prompt: str | list[str] = Field(description="One prompt (a list must hold exactly one).")
     max_tokens: int | None = Field(None, ge=0, description="Most tokens to generate (0 only with echo: score the "
                                    "prompt).")
     echo: bool | None = Field(None, description="Return the prompt before the completion (with its logprobs "
                               "when logprobs is set; the first token has none).")
+    add_special_tokens: bool = Field(True, description="vLLM extension: add the tokenizer's special tokens (BOS) "
+                                     "to the prompt.")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Return each token's log "
                                  "probability and this many most likely alternatives.")
-    best_of: Annotated[int | None, _not_yet(1, None)] = Field(
-        None, description=_not_yet_doc("Generate this many and return the best."))
-    suffix: Annotated[str | None, _not_yet(None, "")] = Field(
-        None, description=_not_yet_doc("Text that follows the completion (insertion)."))
+    best_of: Annotated[int | None, not_yet(1, None)] = Field(
+        None, description=not_yet_doc("Generate this many and return the best."))
+    suffix: Annotated[str | None, not_yet(None, "")] = Field(
+        None, description=not_yet_doc("Text that follows the completion (insertion)."))
 
     @field_validator("prompt")
     @classmethod

@@ -106,3 +106,50 @@ def test_bad_sampling_values_name_their_field(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequestError) as caught:
         chat(**{field: value})
     assert caught.value.param == field
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("use_beam_search", True), ("prompt_logprobs", 1), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+        ("truncate_prompt_tokens", 10), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
+        ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"regex": "a"}),
+        ("logits_processors", ["x"]), ("return_token_ids", True), ("thinking_token_budget", 10),
+    ],
+)
+def test_vllm_fields_not_implemented_are_refused_on_both_endpoints(field: str, value: Any) -> None:
+    for build in (chat, completion):
+        with pytest.raises(InvalidRequestError) as caught:
+            build(**{field: value})
+        assert caught.value.param == field and "is not supported yet" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("echo", True), ("add_generation_prompt", False), ("continue_final_message", True), ("chat_template", "{{ x }}"),
+     ("chat_template_kwargs", {"enable_thinking": False}), ("add_special_tokens", True), ("documents", [{"a": "b"}])],
+)
+def test_vllm_chat_fields_not_implemented_are_refused(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        chat(**{field: value})
+    assert caught.value.param == field
+
+
+def test_vllm_fields_at_their_defaults_or_without_effect_are_accepted() -> None:
+    chat(use_beam_search=False, bad_words=[], add_generation_prompt=True, echo=False, chat_template_kwargs={},
+         length_penalty=1.3, spaces_between_special_tokens=False, priority=3, request_id="r", stream_interval=4)
+    completion(response_format={"type": "text"}, add_special_tokens=False, prompt_logprobs=None)
+    with pytest.raises(InvalidRequestError) as caught:
+        completion(response_format={"type": "json_object"})
+    assert caught.value.param == "response_format"
+
+
+def test_vllm_length_and_text_settings_are_declared() -> None:
+    body = chat(ignore_eos=True, min_tokens=5, include_stop_str_in_output=True, skip_special_tokens=False)
+    assert (body["ignore_eos"], body["min_tokens"], body["include_stop_str_in_output"],
+            body["skip_special_tokens"]) == (True, 5, True, False)
+    unset = completion()
+    assert (unset["ignore_eos"], unset["min_tokens"], unset["skip_special_tokens"]) == (False, 0, True)
+    with pytest.raises(InvalidRequestError) as caught:
+        chat(min_tokens=-1)
+    assert caught.value.param == "min_tokens"
