@@ -135,6 +135,12 @@ _PENDING = None  # a call's verdict needs more text
 _Verdict = tuple[list[ParsedCall] | None, int] | None  # (calls, or None when malformed; text consumed) | pending
 
 
+def markers(fmt: ToolFormat) -> tuple[str, ...]:
+    """The strings that open or close a call in `fmt` (where they are special tokens, the detokenizer must keep
+    them for the parser)."""
+    return tuple(m for m in (*_OPENERS[fmt], _CLOSER[fmt]) if m)
+
+
 class ToolCallStream:
     """Splits streamed output into content and tool calls. `feed` returns what is certain so far: text that could
     still be the start of a call (a partial marker, a pending call, whitespace before it) is held until it is known,

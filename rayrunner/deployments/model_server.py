@@ -49,8 +49,12 @@ def build_engine(spec: ModelSpec) -> Engine:
 
 def sampling_params(request: SamplingFields, settings: EngineSettings) -> SamplingParams:
     """Resolved settings: unset fields take their neutral value; unset or zero temperature means greedy."""
+    max_tokens = request.max_tokens if request.max_tokens is not None else settings.default_max_tokens
+    if request.min_tokens > max_tokens:
+        raise InvalidRequestError(f"min_tokens is {request.min_tokens}, more than max_tokens ({max_tokens})",
+                                  param="min_tokens")
     return SamplingParams(
-        max_tokens=request.max_tokens if request.max_tokens is not None else settings.default_max_tokens,
+        max_tokens=max_tokens,
         temperature=request.temperature or 0.0,
         top_p=request.top_p if request.top_p is not None else 1.0,
         top_k=request.top_k or 0,
@@ -63,6 +67,10 @@ def sampling_params(request: SamplingFields, settings: EngineSettings) -> Sampli
         repetition_penalty=request.repetition_penalty or 1.0,
         logit_bias=dict(request.logit_bias or {}),
         n=request.n or 1,
+        min_tokens=request.min_tokens,
+        ignore_eos=request.ignore_eos,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens,
         **_logprob_settings(request),
     )
 

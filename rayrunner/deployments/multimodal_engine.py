@@ -82,7 +82,7 @@ class MultimodalEngine(Engine):
         prompt_ids = inputs["input_ids"][0].tolist()
         params.max_tokens = self._max_new_tokens(len(prompt_ids), params)
         extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
-        detokenizer = Detokenizer(self._tokenizer, params.stop)
+        detokenizer = Detokenizer.of(self._tokenizer, params)
         async for event in self.scheduler.generate(prompt_ids, params, detokenizer, self._eos_ids, extra):
             yield event
 

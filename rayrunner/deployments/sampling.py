@@ -9,7 +9,7 @@ rounding of its logits, which in bf16 differs a little inside a padded batch).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +42,10 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k: each chosen token's logprob and the k most likely alternatives
     prompt_logprobs: bool = False  # completions `echo` with logprobs: the prompt's tokens' logprobs too
     n: int = 1  # choices from one prompt (the scheduler prefills once and forks the cache)
+    min_tokens: int = 0  # until this many are out, the ids that end a reply are masked (stop strings: `Detokenizer`)
+    ignore_eos: bool = False  # the model's EOS ids do not end the reply (the scheduler gives the sequence none)
+    include_stop_str_in_output: bool = False  # the stop string or stop token that ended the reply stays in its text
+    skip_special_tokens: bool = True
     # Makes a fresh processor per sequence that masks the tokens a grammar forbids (structured output, tool calls).
     constraint: Callable[[], LogitsProcessor] | None = None
 
@@ -49,8 +53,9 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
-    def processors(self) -> list[LogitsProcessor]:
-        """The row's logits processors, in the order they apply (only those its settings switch on)."""
+    def processors(self, eos_ids: Collection[int] = ()) -> list[LogitsProcessor]:
+        """The row's logits processors, in the order they apply (only those its settings switch on); `eos_ids` are
+        the ids that end the row's reply besides its `stop_token_ids`."""
         found: list[LogitsProcessor] = []
         if self.repetition_penalty != 1.0:
             found.append(_repetition_penalty(self.repetition_penalty))
@@ -59,7 +64,9 @@ class SamplingParams:
         if self.logit_bias:
             found.append(_logit_bias(self.logit_bias))
         if self.constraint is not None:
-            found.append(self.constraint())  # last: nothing after it may re-allow a token the grammar forbids
+            found.append(self.constraint())  # nothing after it may re-allow a token the grammar forbids
+        if self.min_tokens:
+            found.append(_min_tokens(self.min_tokens, {*eos_ids, *self.stop_token_ids}))
         return found
 
 
@@ -96,6 +103,21 @@ def _logit_bias(bias: dict[int, float]) -> LogitsProcessor:
         index = torch.tensor(ids, dtype=torch.long, device=logits.device)
         logits[index] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
         return logits
+
+    return apply
+
+
+def _min_tokens(count: int, ending: set[int]) -> LogitsProcessor:
+    """vLLM's `min_tokens`: the ids that would end the reply are masked while fewer than `count` tokens are out,
+    unless nothing else is left to choose (a grammar whose JSON is complete allows EOS alone: the reply ends)."""
+    ids = sorted(ending)
+
+    def apply(prompt: list[int], output: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if len(output) >= count or not ids:
+            return logits
+        index = torch.tensor([i for i in ids if i < logits.shape[-1]], dtype=torch.long, device=logits.device)
+        masked = logits.index_fill(0, index, float("-inf"))
+        return masked if bool(masked.max() > float("-inf")) else logits
 
     return apply
 

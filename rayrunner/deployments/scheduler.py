@@ -104,11 +104,13 @@ class StepScheduler:
                  extra_inputs: dict[str, torch.Tensor] | None = None, adapter: str | None = None
                  ) -> AsyncIterator[GenerationEvent]:
         """Queue a request's sequence, with a fork per extra choice (from the replica's event loop); its events.
-        `adapter` names the LoRA adapter the request runs with (None: the base model)."""
+        `adapter` names the LoRA adapter the request runs with (None: the base model); `eos_ids` end its replies
+        unless it ignores EOS."""
         if params.n > self.max_running:
             raise InvalidRequestError(f"n is {params.n}; this model runs at most {self.max_running} sequences at once",
                                       param="n")
-        sequence = Sequence(prompt_ids, params, detokenizer, eos_ids, asyncio.get_running_loop(),
+        sequence = Sequence(prompt_ids, params, detokenizer, set() if params.ignore_eos else eos_ids,
+                            asyncio.get_running_loop(),
                             extra_inputs=extra_inputs or {}, adapter=adapter)
         sequence.forks = [sequence.fork(i) for i in range(1, params.n)]
         self.submit(sequence)

@@ -1,9 +1,10 @@
 """One request's sequence inside the step scheduler: its prompt, settings, generated tokens and event stream.
 
 The scheduler thread feeds it one token per step (`accept`); it detokenizes, applies stop strings, stop tokens and
-`max_tokens`, and hands events to the request's asyncio queue on the replica's event loop. A request for n choices
-is one sequence with n - 1 `forks`: the scheduler prefills the prompt once and copies its cache to every fork; all
-of them put their events, tagged with their `index`, on the one queue of the request.
+`max_tokens` (`eos_ids` is empty for a request that ignores EOS), and hands events to the request's asyncio queue on
+the replica's event loop. A request for n choices is one sequence with n - 1 `forks`: the scheduler prefills the
+prompt once and copies its cache to every fork; all of them put their events, tagged with their `index`, on the one
+queue of the request.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ class Sequence:
 
     def sampling_row(self, device: torch.device) -> SamplingRow:
         if self.row is None:
-            self.row = SamplingRow(self.params, self.prompt_ids, self.output_ids, self.params.processors(),
-                                   new_generator(self.params, device))
+            self.row = SamplingRow(self.params, self.prompt_ids, self.output_ids,
+                                   self.params.processors(self.eos_ids), new_generator(self.params, device))
         return self.row
 
     def token_logprob(self, found: Logprob) -> TokenLogprob:
@@ -84,8 +85,7 @@ class Sequence:
         if logprob is not None:
             self.pending_logprobs.append(self.token_logprob(logprob))
         if token_id in self.eos_ids or token_id in self.params.stop_token_ids:
-            self.detokenizer.add(token_id)
-            self._finish("stop", self.detokenizer.flush())
+            self._finish("stop", self.detokenizer.end_on(token_id))
             return
         text = self.detokenizer.add(token_id)
         if self.detokenizer.stopped:

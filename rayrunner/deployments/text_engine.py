@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from rayrunner.deployments.chat_prompt import chat_template_text, render_chat
 from rayrunner.deployments.compute_thread import ComputeThread
 from rayrunner.deployments.constrained import Grammars
-from rayrunner.deployments.detokenizer import Detokenizer
+from rayrunner.deployments.detokenizer import Detokenizer, special_ids
 from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, bounded_max_tokens, describe
 from rayrunner.deployments.lora import LoraAdapters, adapter_folder
 from rayrunner.deployments.sampling import LogitsProcessor, SamplingParams
@@ -26,7 +26,7 @@ from rayrunner.errors import InvalidRequestError, UnsupportedRequestError
 from rayrunner.loading import Loaded, load_model
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
 from rayrunner.spec import ModelSpec
-from rayrunner.tool_calls import forced_call_schema, tool_format
+from rayrunner.tool_calls import forced_call_schema, markers, tool_format
 from rayrunner.which import Lora
 
 T = TypeVar("T")
@@ -84,11 +84,19 @@ class TextEngine(Engine):
                            tool_choice_none=request.tool_choice == "none")
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         params.constraint = self._constraint(request)
-        return self._generate(ids, params, adapter)
+        return self._generate(ids, params, adapter, self._tool_markers(request))
 
     def tool_replies(self, request: ChatCompletionRequest) -> ToolReplies | None:
         template = chat_template_text(self.tokenizer, self.spec.engine.chat_template, request.tools)
         return ToolReplies.of(request, tool_format(template))
+
+    def _tool_markers(self, request: ChatCompletionRequest) -> frozenset[int]:
+        """The special tokens that mark a call in the model's tool format (Mistral's `[TOOL_CALLS]`), kept in an
+        `auto` reply's text so the parser sees them; none for other requests."""
+        replies = self.tool_replies(request) if request.tools else None
+        if replies is None or replies.forced:
+            return frozenset()
+        return special_ids(self.tokenizer, markers(replies.fmt))
 
     def _constraint(self, request: ChatCompletionRequest) -> Callable[[], LogitsProcessor] | None:
         """A forced tool call's JSON, else the response_format's."""
@@ -100,18 +108,20 @@ class TextEngine(Engine):
 
     def complete(self, request: CompletionRequest, params: SamplingParams, adapter: str | None = None
                  ) -> AsyncIterator[GenerationEvent]:
-        ids = self.tokenizer(request.prompt_text())["input_ids"]
+        ids = self.tokenizer(request.prompt_text(), add_special_tokens=request.add_special_tokens)["input_ids"]
         return self._generate(ids, params, adapter)
 
-    def _generate(self, ids: list[int], params: SamplingParams, adapter: str | None) -> AsyncIterator[GenerationEvent]:
-        """Queue `ids` with the request's adapter (the spec's own when it names none)."""
+    def _generate(self, ids: list[int], params: SamplingParams, adapter: str | None,
+                  kept: frozenset[int] = frozenset()) -> AsyncIterator[GenerationEvent]:
+        """Queue `ids` with the request's adapter (the spec's own when it names none); `kept`: special tokens its
+        text keeps (`Detokenizer.of`)."""
         adapter = adapter or self.default_adapter
         if adapter is not None:
             self.adapters.check(adapter)
         if not ids:  # an empty completion prompt: nothing to condition on, and a forward pass of no tokens fails
             raise InvalidRequestError("prompt: the prompt is empty (no tokens)", param="prompt")
         params.max_tokens = bounded_max_tokens(len(ids), params.max_tokens, self.max_seq_len)
-        return self.scheduler.generate(ids, params, Detokenizer(self.tokenizer, params.stop), self.eos_ids,
+        return self.scheduler.generate(ids, params, Detokenizer.of(self.tokenizer, params, kept), self.eos_ids,
                                        adapter=adapter)
 
     async def between_steps(self, fn: Callable[[], T]) -> T:

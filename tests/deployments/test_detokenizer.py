@@ -44,3 +44,43 @@ def test_a_stop_string_split_across_tokens_cuts_the_text_before_it(tokenizer: An
 def test_a_held_back_prefix_is_released_when_no_stop_follows(tokenizer: Any) -> None:
     pieces, detok = stream(tokenizer, "Pa is not Paul.", ["Paris"])
     assert not detok.stopped and "".join(pieces) == "Pa is not Paul."
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_include_stop_str_keeps_the_stop_string(tokenizer: Any) -> None:
+    detok = Detokenizer(tokenizer, ["Paris", "Par"], include_stop=True)
+    pieces = [detok.add(i) for i in _ids(tokenizer, "The capital of France is Paris. It is large.")]
+    assert detok.stopped and "".join(pieces) == "The capital of France is Paris"
+
+
+def test_no_stop_string_ends_the_text_before_min_tokens(tokenizer: Any) -> None:
+    ids = _ids(tokenizer, "Paris, Paris and Paris again.")
+    first_stop = next(n for n in range(1, len(ids)) if "Paris" in tokenizer.decode(ids[:n]))
+    detok = Detokenizer(tokenizer, ["Paris"], min_tokens=first_stop)
+    pieces = []
+    for token_id in ids:
+        pieces.append(detok.add(token_id))
+        if detok.stopped:
+            break
+    assert detok.stopped and "".join(pieces) == "Paris, "  # the first Paris came too early, the second stops
+
+
+def test_a_stop_token_ends_the_text_without_losing_a_held_back_tail(tokenizer: Any) -> None:
+    """The stop token's own text is left out (vLLM's rule) but the text held back before it is not."""
+    detok = Detokenizer(tokenizer, ["Paris"])
+    pieces = [detok.add(i) for i in _ids(tokenizer, "Hello Pa")]
+    period = _ids(tokenizer, ".")[0]
+    assert "".join(pieces) + detok.end_on(period) == "Hello Pa"
+    kept = Detokenizer(tokenizer, ["Paris"], include_stop=True)
+    pieces = [kept.add(i) for i in _ids(tokenizer, "Hello Pa")]
+    assert "".join(pieces) + kept.end_on(period) == "Hello Pa."
+
+
+def test_special_tokens_are_skipped_unless_asked_for(tokenizer: Any) -> None:
+    ids = _ids(tokenizer, "<|im_start|>assistant\nHi<|im_end|>")
+    skipped, kept = Detokenizer(tokenizer, []), Detokenizer(tokenizer, [], dropped=frozenset())
+    assert "".join(skipped.add(i) for i in ids) + skipped.flush() == "assistant\nHi"
+    assert "".join(kept.add(i) for i in ids) + kept.flush() == "<|im_start|>assistant\nHi<|im_end|>"

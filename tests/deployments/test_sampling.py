@@ -131,3 +131,25 @@ def test_logprobs_put_the_chosen_token_first_among_equals() -> None:
     found = logprobs_of(logits, [2], top=2)[0]
     assert found.token_id == 2 and [token for token, _ in found.top] == [2, 1]
     assert abs(found.logprob - float(torch.log_softmax(logits, -1)[0, 2])) < 1e-6
+
+
+def test_min_tokens_masks_the_ending_ids_until_enough_are_out() -> None:
+    logits = _logits(1)
+    eos, stop = logits[0].topk(2).indices.tolist()  # the two most likely tokens end the reply
+    early = SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=[stop])
+    after = [int(t) for t in logits[0].topk(3).indices[2:]]
+
+    def pick(output: list[int]) -> int:
+        row = SamplingRow(early, [], output, early.processors({eos}), None)
+        return sample(logits.clone(), [row])[0]
+
+    assert pick([]) == pick([5, 6]) == after[0]  # 0 and 2 tokens out: neither may end the reply
+    assert pick([5, 6, 7]) == eos  # 3 out: the mask is gone
+
+
+def test_min_tokens_lets_eos_through_when_nothing_else_is_allowed() -> None:
+    """A grammar whose JSON is complete allows EOS alone: the reply must end there rather than draw from nothing."""
+    params = SamplingParams(max_tokens=8, min_tokens=5)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 1:] = float("-inf")
+    assert sample(logits, [SamplingRow(params, [], [], params.processors({0}), None)]) == [0]

@@ -1,5 +1,6 @@
 """The step scheduler on real models, in-process: joining and leaving a busy batch changes no one's output,
-cancelled sequences stop costing steps, the queue is bounded, and long prompts are prefilled a chunk per step."""
+cancelled sequences stop costing steps, the queue is bounded, long prompts are prefilled a chunk per step, and
+vLLM's length settings (`ignore_eos`, `min_tokens`) hold for every choice."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rayrunner.deployments import responses
 from rayrunner.deployments.detokenizer import Detokenizer
+from rayrunner.deployments.model_server import sampling_params
 from rayrunner.deployments.sampling import SamplingParams
 from rayrunner.deployments.scheduler import SchedulerLimits, StepScheduler
 from rayrunner.deployments.sequence import Sequence
 from rayrunner.deployments.text_engine import TextEngine
 from rayrunner.errors import ServerOverloadedError
-from rayrunner.protocol import ChatCompletionRequest
+from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
 from rayrunner.spec import build_spec
 
 STORIES = [f"Write a short story about a {w}." for w in ["cat", "dog", "bird", "fish", "tree", "car", "boat", "lamp"]]
@@ -150,3 +153,40 @@ def test_joining_and_leaving_keeps_each_sequence_exact(tiny_llama_dir: str) -> N
 
     assert run(batched=True) == run(batched=False)
     loop.close()
+
+
+async def _answer(engine: TextEngine, **fields: Any) -> Any:
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                    **fields)
+    events = engine.chat(request, sampling_params(request, engine.spec.engine))
+    return await responses.chat_response("m", events, request)
+
+
+async def test_ignore_eos_runs_every_choice_to_max_tokens(smollm2: TextEngine) -> None:
+    short = await _answer(smollm2, max_tokens=24)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 16
+    reply = await _answer(smollm2, max_tokens=24, ignore_eos=True, n=2, temperature=0.8, seed=3)
+    assert [c.finish_reason for c in reply.choices] == ["length", "length"] and reply.usage.completion_tokens == 48
+    greedy = await _answer(smollm2, max_tokens=24, ignore_eos=True)
+    assert greedy.choices[0].message.content.startswith(short.choices[0].message.content)
+    [paris] = smollm2.tokenizer(" Paris", add_special_tokens=False)["input_ids"]
+    request = CompletionRequest(prompt="The capital of France is", max_tokens=20, ignore_eos=True, stream=True,
+                                stop_token_ids=[paris])
+    events = smollm2.complete(request, sampling_params(request, smollm2.spec.engine))
+    chunks = [c async for c in responses.completion_chunks("m", events, request)]
+    assert chunks[-1].choices[0].finish_reason == "stop"  # stop_token_ids still end it
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens < 20
+
+
+async def test_min_tokens_holds_back_eos_and_stop_strings(smollm2: TextEngine) -> None:
+    short = (await _answer(smollm2, max_tokens=24)).choices[0].message.content
+    assert "Paris" in short
+    reply = await _answer(smollm2, max_tokens=40, min_tokens=20, n=2)
+    assert all(c.finish_reason == "stop" or c.finish_reason == "length" for c in reply.choices)
+    assert reply.usage.completion_tokens >= 40  # every choice made at least 20
+    assert reply.choices[0].message.content.startswith(short)
+    stopped = await _answer(smollm2, max_tokens=40, stop=["Paris"], min_tokens=12)
+    text = stopped.choices[0].message.content
+    assert text.startswith(short[: short.index("Paris") + len("Paris")]) and stopped.usage.completion_tokens >= 12
+    kept = await _answer(smollm2, max_tokens=40, stop=["Paris"], include_stop_str_in_output=True)
+    assert kept.choices[0].message.content == short[: short.index("Paris") + len("Paris")]

@@ -178,3 +178,33 @@ def test_unsupported_schema_feature_is_a_400_naming_it(client: openai.OpenAI) ->
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=10, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})  # type: ignore[arg-type]
     assert "uniqueItems" in str(caught.value)
+
+
+def _completion_tokens(client: openai.OpenAI, chat: bool, stream: bool, **extra: Any) -> tuple[int, str]:
+    """One request's completion tokens and finish reason, with vLLM's `extra` fields as the SDK sends them."""
+    common: dict[str, Any] = {"model": MODEL, "max_tokens": 64, "extra_body": extra}
+    if stream:
+        common["stream_options"] = {"include_usage": True}
+    if chat:
+        result: Any = client.chat.completions.create(messages=QUESTION, stream=stream, **common)
+    else:
+        result = client.completions.create(prompt="The capital of France is", stream=stream, **common)
+    if not stream:
+        return result.usage.completion_tokens, result.choices[0].finish_reason
+    chunks = list(result)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return chunks[-1].usage.completion_tokens, reasons[-1]
+
+
+def test_benchmark_length_fields_fix_the_reply_length(client: openai.OpenAI) -> None:
+    """What `vllm bench serve`, aiperf and guidellm send to fix output lengths (the greedy answer alone ends after
+    about 8 tokens): `ignore_eos` runs to max_tokens, `min_tokens` holds EOS back."""
+    cases = [(chat, stream, extra) for chat in (True, False) for stream in (False, True)
+             for extra in ({"ignore_eos": True}, {"min_tokens": 40})]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(lambda case: _completion_tokens(client, case[0], case[1], **case[2]), cases))
+    for (chat, stream, extra), (tokens, reason) in zip(cases, results, strict=True):
+        if "ignore_eos" in extra:
+            assert (tokens, reason) == (64, "length"), (chat, stream)
+        else:
+            assert tokens >= 40, (chat, stream)
