@@ -50,7 +50,8 @@ def test_the_cap_bounds_the_share(tmp_path: Path) -> None:
 
 def test_stale_leases_count_as_idle_and_dead_engines_leases_are_swept(tmp_path: Path) -> None:
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale, old, dead = tmp_path / f"{os.getpid()}-1", tmp_path / f"{os.getpid()}-2", tmp_path / f"{gone.stdout.strip()}-3"
+    stale, old = tmp_path / f"{os.getpid()}-1", tmp_path / f"{os.getpid()}-2"
+    dead = tmp_path / f"{gone.stdout.strip()}-3"
     for lease, age in ((stale, core_share.STALE_S + 1), (old, core_share.SWEEP_S + 1), (dead, 0)):
         lease.touch()
         os.utime(lease, (time.time() - age, time.time() - age))
