@@ -9,18 +9,18 @@ So each engine holds a lease, a file in a node-local folder (`/dev/shm`), whose 
 it has work (at most every `REFRESH_S`). Before each unit of work it sizes its pool to its share: the node's cores
 divided among the engines whose lease is fresh (refreshed in the last `STALE_S`), the remainder going to the first in
 lease order, at least one thread each. An engine that goes idle drops its lease, so the others grow back at their
-next refresh. A killed replica's lease is dropped by the next engine that counts (its process is gone). The sum of busy engines' threads
-thus never exceeds the cores (once every engine has seen the newest lease, within `REFRESH_S`), unless there are
-more busy engines than cores, where each keeps one thread.
+next refresh. A killed replica's lease is dropped by the next engine that counts (its process is gone). The sum of
+busy engines' threads thus never exceeds the cores (once every engine has seen the newest lease, within
+`REFRESH_S`), unless there are more busy engines than cores, where each keeps one thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,6 +31,7 @@ REFRESH_S = 0.1  # how often a busy engine touches its lease and recounts its pe
 # steps, and one step, a long prefill chunk on a loaded node, can take seconds).
 STALE_S = 5.0
 SWEEP_S = 60.0  # a lease this old is deleted by whoever sees it
+_numbers = itertools.count()  # of the leases of this process (`<pid>-<number>`)
 
 
 def default_folder() -> Path:
@@ -56,7 +57,7 @@ class CoreShare:
         self.cores = cores or node_cores()
         self.folder = folder or default_folder()
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.lease = self.folder / f"{os.getpid()}-{threading.get_ident()}"
+        self.lease = self.folder / f"{os.getpid()}-{next(_numbers)}"
         self.threads = self._limit(self.cores)
         self._checked_at = 0.0
 
@@ -100,7 +101,7 @@ class CoreShare:
 
 
 def _alive(lease: str) -> bool:
-    """Whether the process a lease is named after (`<pid>-<thread>`) still runs."""
+    """Whether the process a lease is named after (`<pid>-<number>`) still runs."""
     try:
         os.kill(int(lease.split("-")[0]), 0)
     except ProcessLookupError:

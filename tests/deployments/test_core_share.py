@@ -5,21 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from rayrunner.deployments import core_share
 from rayrunner.deployments.core_share import CoreShare
-
-
-def in_thread(make: object) -> CoreShare:
-    """A CoreShare made in another thread (a lease per engine thread, as each engine has its compute thread)."""
-    made: list[CoreShare] = []
-    thread = threading.Thread(target=lambda: made.append(make()))  # type: ignore[operator]
-    thread.start()
-    thread.join()
-    return made[0]
 
 
 def recount(*shares: CoreShare) -> list[int]:
@@ -30,7 +20,7 @@ def recount(*shares: CoreShare) -> list[int]:
 
 def test_an_engine_alone_gets_every_core_and_two_busy_ones_split_them(tmp_path: Path) -> None:
     first = CoreShare(cores=5, folder=tmp_path)
-    second = in_thread(lambda: CoreShare(cores=5, folder=tmp_path))
+    second = CoreShare(cores=5, folder=tmp_path)
     assert first.working() == 5
     recount(second)  # its lease now exists
     assert sorted(recount(first, second)) == [2, 3]  # the remainder to the first in lease order
@@ -39,7 +29,7 @@ def test_an_engine_alone_gets_every_core_and_two_busy_ones_split_them(tmp_path: 
 
 
 def test_more_busy_engines_than_cores_keep_one_thread_each(tmp_path: Path) -> None:
-    shares = [in_thread(lambda: CoreShare(cores=2, folder=tmp_path)) for _ in range(3)]
+    shares = [CoreShare(cores=2, folder=tmp_path) for _ in range(3)]
     recount(*shares)
     assert recount(*shares) == [1, 1, 1]
 
