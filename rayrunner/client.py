@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from rayrunner.deployments.core_share import node_cores
 from rayrunner.errors import RayRunnerError, SpecMismatchError, unwrap
 from rayrunner.protocol import (
     DEFAULT_MODEL,
@@ -38,6 +39,7 @@ from rayrunner.warm_workers import CLUSTER_ENV
 from rayrunner.which import Which
 
 APP_NAME = "rayrunner"
+CPU_SLOTS_PER_CORE = 4  # of a cluster a Runner starts (see `_start_ray`)
 
 
 def _entry(model_id: str | None, which: Any, in_situ_quant: str | None, aliases: list[str], load: bool,
@@ -332,7 +334,9 @@ def _start_ray(address: str | None, log_level: str | int, attach_only: bool = Fa
         return False
     for name, value in CLUSTER_ENV.items():  # read by the raylet this starts: warm spare workers
         os.environ.setdefault(name, value)
-    ray.init(address="local", include_dashboard=True, **quiet)
+    # Logical CPUs are placement slots, not cores: each model replica reserves `num_cpus` (0.5 by default) and the
+    # busy engines share the real cores (`deployments.core_share`), so several Runners' models fit one small machine.
+    ray.init(address="local", include_dashboard=True, num_cpus=CPU_SLOTS_PER_CORE * node_cores(), **quiet)
     return True
 
 

@@ -1,7 +1,9 @@
-"""mistral.rs's `examples/python/multi_model_example.py`, its five functions run in a row in one Python process as
-a user script: each builds its own `Runner(which=..., in_situ_quant="Q4K")` and none shuts one down. Only the
-import and the models differ: a tiny LLaVA whose lm_head has an odd number of outputs (49,153) stands in for
-Gemma 3, SmolLM2 for Qwen3. The script starts its own Ray cluster, and its console must stay free of Ray's logs."""
+"""mistral.rs's `examples/python/multi_model_example.py`, its five functions run in one Python process as a user
+script, in another order than the file's and with `in_situ_quant` on some and off others: each builds its own
+`Runner(which=..., in_situ_quant=...)` and none shuts one down, and each Runner holds exactly the model it was built
+with, as in mistral.rs. Only the import and the models differ: a tiny LLaVA whose lm_head has an odd number of
+outputs (49,153) stands in for Gemma 3, SmolLM2 for Qwen3. The script starts its own Ray cluster, and its console
+must stay free of Ray's logs."""
 
 from __future__ import annotations
 
@@ -20,12 +22,18 @@ import sys
 from rayrunner import Architecture, ChatCompletionRequest, MultimodalArchitecture, Runner, Which
 
 VISION = sys.argv[1]
+ORDER = sys.argv[2].split(",")  # the examples to run, in this order
+UNQUANTIZED = set(sys.argv[3].split(","))  # the examples whose Runner has no in_situ_quant
 TEXT = "smollm2-135m-instruct"
+
+
+def isq(example):
+    return None if example.__name__ in UNQUANTIZED else "Q4K"
 
 
 def example_runner_with_model_id():
     runner = Runner(which=Which.MultimodalPlain(model_id=VISION, arch=MultimodalArchitecture.LLaVA),
-                    in_situ_quant="Q4K")
+                    in_situ_quant=isq(example_runner_with_model_id))
     model_ids = runner.list_models()
     print("Available models:", model_ids)
     print(f"Default model: {runner.get_default_model_id()}")
@@ -38,7 +46,8 @@ def example_runner_with_model_id():
 
 
 def example_model_management():
-    runner = Runner(which=Which.Plain(model_id=TEXT, arch=Architecture.Llama), in_situ_quant="Q4K")
+    runner = Runner(which=Which.Plain(model_id=TEXT, arch=Architecture.Llama),
+                    in_situ_quant=isq(example_model_management))
     print("Initial models with status:", runner.list_models_with_status())
     print(f"Current default model: {runner.get_default_model_id()}")
     model_ids = runner.list_models()
@@ -51,7 +60,7 @@ def example_model_management():
 
 def example_unload_reload():
     runner = Runner(which=Which.MultimodalPlain(model_id=VISION, arch=MultimodalArchitecture.LLaVA),
-                    in_situ_quant="Q4K")
+                    in_situ_quant=isq(example_unload_reload))
     model_ids = runner.list_models()
     if not model_ids:
         print("No models loaded")
@@ -66,7 +75,8 @@ def example_unload_reload():
 
 
 def example_streaming_with_models():
-    runner = Runner(which=Which.Plain(model_id=TEXT, arch=Architecture.Llama), in_situ_quant="Q4K")
+    runner = Runner(which=Which.Plain(model_id=TEXT, arch=Architecture.Llama),
+                    in_situ_quant=isq(example_streaming_with_models))
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "Tell me a short story"}], stream=True)
     model_ids = runner.list_models()
     if model_ids:
@@ -77,20 +87,19 @@ def example_streaming_with_models():
 
 def example_multi_model_setup():
     runner = Runner(which=Which.MultimodalPlain(model_id=VISION, arch=MultimodalArchitecture.LLaVA),
-                    in_situ_quant="Q4K")
+                    in_situ_quant=isq(example_multi_model_setup))
     print("Initial models:", runner.list_models())
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "What is 2 + 2?"}])
     response = runner.send_chat_completion_request(request)
     print("Gemma response from:", response.model)
-    print("Quantization:", runner.model_card(VISION)["info"]["quantization"]["requested"],
-          runner.model_card(TEXT)["info"]["quantization"]["requested"])
+    print("Quantization:", runner.model_card(VISION)["spec"]["in_situ_quant"],
+          runner.model_card(TEXT)["spec"]["in_situ_quant"])
 
 
 if __name__ == "__main__":
-    for example in (example_runner_with_model_id, example_model_management, example_unload_reload,
-                    example_streaming_with_models, example_multi_model_setup):
-        print(f"=== {example.__name__} ===")
-        example()
+    for name in ORDER:
+        print(f"=== {name} ===")
+        globals()[name]()
 '''
 
 # Lines Ray or Serve would print on a user's console: log records, replica output, remote tracebacks.
@@ -103,21 +112,32 @@ def test_multi_model_example_runs_in_one_process(tmp_path: Path) -> None:
     script = tmp_path / "multi_model_example.py"
     script.write_text(EXAMPLE)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own cluster, as a user's script
+    order = ["example_streaming_with_models", "example_runner_with_model_id", "example_unload_reload",
+             "example_multi_model_setup", "example_model_management"]
+    unquantized = ["example_streaming_with_models", "example_unload_reload"]
     started = time.monotonic()
-    done = subprocess.run([sys.executable, str(script), vision], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=tmp_path)
+    done = subprocess.run([sys.executable, str(script), vision, ",".join(order), ",".join(unquantized)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     took = time.monotonic() - started
     out = done.stdout
     assert done.returncode == 0, f"{out}\n{done.stderr}"
-    text = "smollm2-135m-instruct"
+    text, vision_full, text_q4k = "smollm2-135m-instruct", f"{vision}@full", "smollm2-135m-instruct@Q4K"
+    # The text model without ISQ first, then the vision model with Q4K: both under their plain ids.
+    assert re.search(rf"Streamed from {re.escape(text)}: [1-9]\d* chunks", out)
     assert f"Available models: ['{vision}']" in out and f"Default model: {vision}" in out
     assert f"Response from default model: {vision}" in out
-    assert f"Initial models with status: [('{vision}', 'loaded'), ('{text}', 'loaded')]" in out
-    assert f"Changed default model to: {text}" in out  # the Runners share one service: both models are listed
-    assert f"Status after unload: [('{vision}', 'unloaded'), ('{text}', 'loaded')]" in out
-    assert f"Status after reload: [('{vision}', 'loaded'), ('{text}', 'loaded')]" in out
-    assert re.search(rf"Streamed from {re.escape(vision)}: [1-9]\d* chunks", out)
-    assert f"Gemma response from: {text}" in out and "Quantization: Q4K Q4K" in out
+    # The vision model without ISQ: beside the Q4K one, under its spec's id; unload and reload touch only it.
+    assert f"Initial status: [('{vision_full}', 'loaded')]" in out
+    assert f"Status after unload: [('{vision_full}', 'unloaded')]" in out
+    assert f"Is {vision_full} loaded? False" in out
+    assert f"Status after reload: [('{vision_full}', 'loaded')]" in out
+    # The vision model with Q4K again attaches to the first one, which answers its Runner's requests.
+    assert f"Initial models: ['{vision}']" in out and f"Gemma response from: {vision}" in out
+    assert "Quantization: Q4K None" in out  # the vision model it holds, and the plain text model
+    # The text model with Q4K: its own model, alone in its Runner (so the default is not changed).
+    assert f"Initial models with status: [('{text_q4k}', 'loaded')]" in out
+    assert f"Current default model: {text_q4k}" in out and f"Is {text_q4k} loaded? True" in out
+    assert "Changed default model" not in out
     noise = NOISE.findall(out + done.stderr)
     assert not noise, f"Ray/Serve logs reached the console:\n{done.stderr}"
     assert took < 300, f"the example took {took:.0f} s"
