@@ -8,6 +8,8 @@ machine hits them alike):
 2. Per-request sampling: 16 concurrent streams that each set their own temperature, top_p and seed, against 16
    greedy ones.
 3. Head-of-line: an 8-token request alone, and sent while a 400-token stream is running.
+4. The served path's cost: one streamed chat over HTTP against the same chat on the replica's own engine
+   (`TextEngine`, same spec and threads) in this driver.
 
 Run:  .venv/bin/python bench/bench_scheduling.py [--reps 3] [--max-tokens 64] [--threads 2]
 It starts its own local Ray cluster (ports in 30000-32000) and shuts it down at the end.
@@ -111,13 +113,39 @@ class StaticBatch:
         return len(PROMPTS) * tokens / (time.perf_counter() - start)
 
 
-async def measure(base: str, args: argparse.Namespace, static: StaticBatch) -> dict[str, list[float]]:
-    rows: dict[str, list[float]] = {k: [] for k in ("one", "greedy16", "static16", "sampled16", "alone", "during")}
+class InProcessStream:
+    """One chat on the replica's own engine in this driver, its events consumed as the replica does."""
+
+    def __init__(self, threads: int) -> None:
+        from rayrunner.deployments.text_engine import TextEngine
+        from rayrunner.spec import build_spec
+
+        self.spec = build_spec(MODEL_ID, {"type": "plain", "model_id": SMOLLM2}, None, {"torch_threads": threads})
+        self.engine = TextEngine(self.spec)
+
+    async def rate(self, prompt: str, max_tokens: int) -> float:
+        from rayrunner.deployments.model_server import sampling_params
+        from rayrunner.protocol import ChatCompletionRequest
+
+        request = ChatCompletionRequest(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                                        temperature=0, stream=True)
+        start, tokens = time.perf_counter(), 0
+        async for event in self.engine.chat(request, sampling_params(request, self.spec.engine)):
+            tokens = event.completion_tokens if event.finish_reason else tokens
+        return tokens / (time.perf_counter() - start)
+
+
+async def measure(base: str, args: argparse.Namespace, static: StaticBatch, local: InProcessStream
+                  ) -> dict[str, list[float]]:
+    rows: dict[str, list[float]] = {k: [] for k in ("one", "greedy16", "static16", "sampled16", "alone", "during",
+                                                    "local1")}
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
         await stream(client, "Hi", 4)  # warm-up
+        await local.rate("Hi", 4)
         for _ in range(args.reps):
             wall, tokens = await stream(client, PROMPTS[0], args.max_tokens)
             rows["one"].append(tokens / wall)
+            rows["local1"].append(await local.rate(PROMPTS[0], args.max_tokens))
             rows["greedy16"].append(await aggregate(client, args.max_tokens, sampled=False))
             rows["static16"].append(await asyncio.to_thread(static.rate, args.max_tokens))
             rows["sampled16"].append(await aggregate(client, args.max_tokens, sampled=True))
@@ -131,12 +159,14 @@ def report(rows: dict[str, list[float]], args: argparse.Namespace) -> None:
     med = {k: statistics.median(v) for k, v in rows.items()}
     print(f"\nSmolLM2 bf16, CPU, {args.threads} torch threads, {args.max_tokens} tokens, median of {args.reps}")
     print(f"{'case':<52}{'value':>10}")
-    for key, label in (("one", "1 stream, tok/s"), ("greedy16", "16 concurrent streams, greedy, aggregate tok/s"),
+    for key, label in (("one", "1 stream, tok/s"), ("local1", "1 stream on the same engine in process, tok/s"),
+                       ("greedy16", "16 concurrent streams, greedy, aggregate tok/s"),
                        ("sampled16", "16 concurrent, own temperature/seed, aggregate tok/s"),
                        ("static16", "in-process static padded batch of 16, tok/s"),
                        ("alone", "8-token request alone, s"), ("during", "8-token request during a 400-token one, s")):
         print(f"{label:<52}{med[key]:>10.2f}")
-    checks = [("16 streams / 1 stream", med["greedy16"] / med["one"], 7.0),
+    checks = [("1 stream over HTTP / in process", med["one"] / med["local1"], 0.9),
+              ("16 streams / 1 stream", med["greedy16"] / med["one"], 7.0),
               ("16 streams / static batch", med["greedy16"] / med["static16"], 0.8),
               ("16 sampled / 16 greedy", med["sampled16"] / med["greedy16"], 0.7),
               ("short during long / alone (at most)", med["during"] / med["alone"], 3.0)]
@@ -158,7 +188,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="rayrunner-bench-") as state_dir, \
                 httpx.Client(base_url=base, timeout=600) as http:
             deploy(http, state_dir, args.threads)
-            rows = asyncio.run(measure(base, args, StaticBatch(args.threads)))
+            rows = asyncio.run(measure(base, args, StaticBatch(args.threads), InProcessStream(args.threads)))
     finally:
         serve.shutdown()
         ray.shutdown()
