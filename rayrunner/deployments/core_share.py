@@ -5,9 +5,10 @@ count, their workers outnumber the cores and spin-wait at barriers for peers tha
 streams to each of two models gave 17 tok/s in total against 64 and 76 for either alone (0.24x). With one thread
 each they gave 128 (1.5x one alone). A fixed count is no answer either: a model busy alone should use the node.
 
-So each engine holds a lease, a file in a node-local folder (`/dev/shm`), whose modification time it refreshes while
-it has work (at most every `REFRESH_S`). Before each unit of work it sizes its pool to its share: the node's cores
-divided among the engines whose lease is fresh (refreshed in the last `STALE_S`), the remainder going to the first in
+The engines divide the node's cores less one, left to the serving path (`SERVING_CORES`). Each engine holds a
+lease, a file in a node-local folder (`/dev/shm`), whose modification time it refreshes while it has work (at most
+every `REFRESH_S`). Before each unit of work it sizes its pool to its share: those cores divided among the engines
+whose lease is fresh (refreshed in the last `STALE_S`), the remainder going to the first in
 lease order, at least one thread each. An engine that goes idle drops its lease, so the others grow back at their
 next refresh. A killed replica's lease is dropped by the next engine that counts (its process is gone). The sum of
 busy engines' threads thus never exceeds the cores (once every engine has seen the newest lease, within
@@ -31,6 +32,12 @@ REFRESH_S = 0.1  # how often a busy engine touches its lease and recounts its pe
 # steps, and one step, a long prefill chunk on a loaded node, can take seconds).
 STALE_S = 5.0
 SWEEP_S = 60.0  # a lease this old is deleted by whoever sees it
+# Left to the serving path: every token also crosses the proxy, the router and the replica's event loop, and a
+# client or tokenizer may run on the node. On a 2-core box (SmolLM2 bf16 over HTTP, `bench/bench_scheduling.py`)
+# an engine with 1 thread served 16 streams at 175 tok/s and 1 stream at 18.3, against 118 and 15.4 with 2 threads
+# (whose OpenMP workers waited at every barrier for the core the serving path had taken); in process, with nothing
+# else to run, 2 threads decode one stream faster (35 against 24 tok/s).
+SERVING_CORES = 1
 _numbers = itertools.count()  # of the leases of this process (`<pid>-<number>`)
 
 
@@ -48,13 +55,18 @@ def node_cores() -> int:
         return os.cpu_count() or 1
 
 
+def engine_cores() -> int:
+    """The node's cores less `SERVING_CORES` (at least one): what its busy engines divide among themselves."""
+    return max(1, node_cores() - SERVING_CORES)
+
+
 class CoreShare:
     """One engine's lease on the node's cores. `working()` before each unit of work returns the threads it may use
     now; `idle()` when it has none left. Not thread-safe: call both from the engine's compute thread."""
 
     def __init__(self, cap: int | None = None, cores: int | None = None, folder: Path | None = None) -> None:
         self.cap = cap
-        self.cores = cores or node_cores()
+        self.cores = cores or engine_cores()
         self.folder = folder or default_folder()
         self.folder.mkdir(parents=True, exist_ok=True)
         self.lease = self.folder / f"{os.getpid()}-{next(_numbers)}"

@@ -78,3 +78,8 @@ def test_two_engines_in_two_processes_never_take_more_than_the_cores(tmp_path: P
         engine.stdin.flush()
     threads = [int(engine.communicate(timeout=30)[0].strip()) for engine in engines]
     assert sum(threads) == cores and min(threads) >= 1
+
+
+def test_the_engines_leave_a_core_to_the_serving_path(tmp_path: Path) -> None:
+    expected = max(1, core_share.node_cores() - core_share.SERVING_CORES)
+    assert core_share.engine_cores() == expected and CoreShare(folder=tmp_path).working() == expected
