@@ -66,7 +66,7 @@ class CoreShare:
 
     def __init__(self, cap: int | None = None, cores: int | None = None, folder: Path | None = None) -> None:
         self.cap = cap
-        self.cores = cores or engine_cores()
+        self.cores = cores or max(engine_cores(), cap or 1)  # a cap set by hand may take the serving core
         self.folder = folder or default_folder()
         self.folder.mkdir(parents=True, exist_ok=True)
         self.lease = self.folder / f"{os.getpid()}-{next(_numbers)}"
