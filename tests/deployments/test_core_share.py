@@ -36,7 +36,7 @@ def test_more_busy_engines_than_cores_keep_one_thread_each(tmp_path: Path) -> No
 
 def test_the_cap_bounds_the_share(tmp_path: Path) -> None:
     assert CoreShare(cap=3, cores=8, folder=tmp_path).working() == 3
-    alone = CoreShare(cap=core_share.node_cores(), folder=tmp_path)  # set by hand: may take the serving core
+    alone = CoreShare(cap=core_share.node_cores(), folder=tmp_path / "alone")  # set by hand: may take the serving core
     assert alone.working() == core_share.node_cores()
 
 
