@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from rayrunner.deployments.constrained import Grammars
 from rayrunner.deployments.sampling import SamplingParams
+from rayrunner.deployments.structured_output import json_target
 from rayrunner.deployments.text_engine import TextEngine
 from rayrunner.protocol import ChatCompletionRequest
 from rayrunner.sources import SMOLLM2, resolve
@@ -65,7 +66,7 @@ async def chats(engine: TextEngine, grammars: Grammars, streams: int, tokens: in
     request = ChatCompletionRequest(messages=[{"role": "user", "content": PROMPT}], response_format=fmt)
 
     async def one() -> int:
-        params = SamplingParams(max_tokens=tokens, constraint=grammars.for_response_format(request.response_format))
+        params = SamplingParams(max_tokens=tokens, constraint=grammars.for_target(json_target(request)))
         events = [event async for event in engine.chat(request, params)]
         return events[-1].completion_tokens
 

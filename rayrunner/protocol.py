@@ -178,6 +178,34 @@ class ResponseFormat(BaseModel):
         return self
 
 
+class StructuredOutputOptions(BaseModel):
+    """rayrunner extension: how a JSON answer (`response_format`, or a forced tool call's arguments) is kept on the
+    model's distribution. Each default was chosen by measurement (rayrunner/deployments/structured_output.py says
+    which figures); a field set here switches that behaviour for this request only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    state_schema: bool = Field(True, description="Tell the model the schema (a `json_schema` format's, compact, "
+                               "titles left out) in the system message, appended to the client's or as a new one, "
+                               "unless a message already quotes every top-level key. Tool calls need none: tools "
+                               "are always described to the model.")
+    strict_objects: bool = Field(True, description="An object schema with `properties` and no "
+                                 "`additionalProperties` allows no other keys (OpenAI strict mode's rule and "
+                                 "xgrammar's default; JSON Schema itself allows any). Tool arguments too.")
+    max_string_length: int | None = Field(256, ge=1, description="`maxLength` for strings whose schema sets none "
+                                          "(nor `enum`, `const`, `pattern` or `format`); null: unbounded.")
+    max_array_items: int | None = Field(16, ge=1, description="`maxItems` for arrays whose schema sets none; "
+                                        "null: unbounded.")
+    free_objects: Literal["bounded", "open"] = Field(
+        "bounded", description="Objects the schema leaves free (`json_object`, `{\"type\": \"object\"}`): `bounded` "
+        "keys are identifiers (a letter or `_`, then letters, digits or `_`, 32 characters at most), at most "
+        "max_array_items of them, and their values' strings and arrays are bounded as above; `open`: any object.")
+    whitespace: Literal["compact", "flexible"] = Field("compact", description="`compact`: JSON as `json.dumps` "
+                                                       'writes it, `{"a": 1, "b": [2, 3]}`, and no other '
+                                                       "whitespace; `flexible`: up to 16 whitespace characters in "
+                                                       "each gap between JSON tokens.")
+
+
 class FunctionDefinition(BaseModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
@@ -208,6 +236,9 @@ class ChatCompletionRequest(SamplingFields, VllmChatUnsupported):
                                      "likely alternatives at each position (needs logprobs).")
     response_format: ResponseFormat | None = Field(None, description="`text`, `json_object` (any JSON object) or "
                                                    "`json_schema` (output valid for the schema).")
+    structured_output_options: StructuredOutputOptions | None = Field(
+        None, description="rayrunner extension: switches for how JSON answers (`response_format`, forced tool "
+        "calls) are kept on the model's distribution; unset: every default.")
     tools: list[Tool] | None = Field(None, description="Functions the model may call.")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="`auto` (default with tools), `none`, `required`, or one named function.")

@@ -32,13 +32,16 @@ def supports_tools(template: str) -> bool:
 
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], tools: list[Tool] | None,
-                chat_template: str | None, tool_choice_none: bool = False) -> str:
+                chat_template: str | None, tool_choice_none: bool = False, system_note: str | None = None) -> str:
     """The prompt text for a chat, generation prompt included. With `tool_choice_none` the tools are not offered
-    (calls and results already in the history are still rendered). Only the text of content parts is used."""
+    (calls and results already in the history are still rendered). `system_note` is added to the system message
+    (e.g. the schema a JSON answer must follow). Only the text of content parts is used."""
     template = chat_template_text(tokenizer, chat_template, tools)
     offered = None if tool_choice_none else tools
     native = supports_tools(template)
     conversation = _template_messages(messages) if native else _text_messages(messages, offered)
+    if system_note:
+        _add_to_system(conversation, system_note)
     tool_dicts: list[Any] | None = (_tool_dicts(offered) or None) if native else None
     try:
         text = tokenizer.apply_chat_template(conversation, tools=tool_dicts, chat_template=template,
@@ -134,8 +137,13 @@ def _describe_tools(conversation: list[Message], tools: list[Tool]) -> None:
         "holding a JSON object with the function's name and its arguments:\n<tool_call>\n"
         '{"name": "<function name>", "arguments": {<arguments>}}\n</tool_call>'
     )
+    _add_to_system(conversation, prompt)
+
+
+def _add_to_system(conversation: list[Message], text: str) -> None:
+    """Appends `text` to the first message when it is the system message, else puts it first as one."""
     if conversation and conversation[0]["role"] == "system":
         first = conversation[0]["content"]
-        conversation[0]["content"] = f"{first}\n\n{prompt}" if first else prompt
+        conversation[0]["content"] = f"{first}\n\n{text}" if first else text
     else:
-        conversation.insert(0, {"role": "system", "content": prompt})
+        conversation.insert(0, {"role": "system", "content": text})

@@ -1,11 +1,13 @@
-"""Structured output (OpenAI `response_format`): JSON constrained decoding as a per-sequence logits processor.
+"""Structured output (OpenAI `response_format`, forced tool calls): JSON constrained decoding as a per-sequence
+logits processor.
 
-`Grammars` is built once per engine from its tokenizer. It compiles a request's JSON Schema once (`json_schema`,
-`json_object`, `for_response_format`) into a factory that `SamplingParams.constraint` calls per sequence; each
-processor owns a matcher that follows the sequence's output and masks every token the grammar forbids. Once the JSON
-is complete only EOS is allowed, so a reply ends exactly where its JSON does; EOS is also allowed whenever the JSON
-could end there (a top-level number). Whitespace between JSON tokens is capped per gap (`_WHITESPACE`), so a small
-model cannot loop on newlines until `max_tokens`.
+`Grammars` is built once per engine from its tokenizer. It compiles a request's JSON Schema once (`json_schema`, or
+`for_target` with what structured_output.py made of the request) into a factory that `SamplingParams.constraint`
+calls per sequence; each processor owns a matcher that follows the sequence's output and masks every token the
+grammar forbids. Once the JSON is complete only EOS is allowed, so a reply ends exactly where its JSON does; EOS is
+also allowed whenever the JSON could end there (a top-level number). Whitespace between JSON tokens is compact by
+default (`json.dumps`'s separators, nothing else), or capped per gap when flexible, so a small model cannot loop on
+newlines until `max_tokens`.
 
 The grammar library is llguidance, chosen over xgrammar by measurement on SmolLM2's tokenizer (49152 tokens) on this
 busy 2-core CPU (`bench/bench_structured.py`). Per-token mask along 115 tokens x 3 of an 8-property schema (nested
@@ -28,21 +30,26 @@ import copy
 import functools
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import numpy as np
 import torch
 
 from rayrunner.deployments.sampling import LogitsProcessor
+from rayrunner.deployments.structured_output import JsonTarget
 from rayrunner.errors import InvalidRequestError, UnsupportedRequestError
-from rayrunner.protocol import ResponseFormat
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stub only
 
 logger = logging.getLogger(__name__)
 
-# At most this much whitespace in each gap between JSON tokens: enough to pretty-print a few levels deep, too little
-# for a small model to spend its whole reply on blank lines.
-_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
+# Compact JSON, as `json.dumps` writes it: the default (structured_output.py says why).
+_COMPACT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Flexible: at most this much whitespace in each gap between JSON tokens: enough to pretty-print a few levels deep,
+# too little for a small model to spend its whole reply on blank lines.
+_FLEXIBLE: JsonCompileOptions = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
 _MESSAGE_CHARS = 400  # of a library error quoted back to the client
 
 
@@ -76,36 +83,27 @@ class Grammars:
         tokenizer_size = backend.get_vocab_size(with_added_tokens=True) if backend is not None else 0
         return max(self._model_vocab_size, tokenizer_size)
 
-    def json_object(self) -> Callable[[], LogitsProcessor]:
-        """Any JSON object (`{"type": "json_object"}`)."""
-        return self.json_schema({"type": "object"})
-
-    def json_schema(self, schema: dict[str, Any]) -> Callable[[], LogitsProcessor]:
-        """Compile `schema` once; each call of the result makes a fresh processor for one sequence.
+    def json_schema(self, schema: dict[str, Any], compact: bool = True, param: str = "response_format"
+                    ) -> Callable[[], LogitsProcessor]:
+        """Compile `schema` once; each call of the result makes a fresh processor for one sequence. `compact`:
+        `json.dumps`'s separators and no other whitespace, else up to 16 whitespace characters in each gap.
 
         A schema that is invalid, unsatisfiable or uses a keyword llguidance does not enforce (e.g. `uniqueItems`,
-        `not`, `if`) is an `InvalidRequestError` on `response_format` whose message says which."""
+        `not`, `if`) is an `InvalidRequestError` on `param` whose message says which."""
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema,
-                                                                    overrides={"whitespace_pattern": _WHITESPACE})
+            whitespace = _COMPACT if compact else _FLEXIBLE
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=whitespace)
         except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"invalid JSON schema: {exc}", param="response_format") from None
+            raise InvalidRequestError(f"invalid JSON schema: {exc}", param=param) from None
         prototype = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if prototype.is_error():
             reason = prototype.get_error()[:_MESSAGE_CHARS]
-            raise InvalidRequestError(f"unsupported JSON schema: {reason}", param="response_format")
+            raise InvalidRequestError(f"unsupported JSON schema: {reason}", param=param)
         return lambda: _JsonProcessor(prototype.deep_copy(), self.vocab_size)
 
-    def for_response_format(self, fmt: ResponseFormat | None) -> Callable[[], LogitsProcessor] | None:
-        """The constraint a request's `response_format` asks for; None for plain text."""
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return self.json_object()
-        if fmt.json_schema is None:  # the protocol's validator already refuses this
-            raise InvalidRequestError("response_format of type json_schema needs `json_schema`",
-                                      param="response_format")
-        return self.json_schema(fmt.json_schema.schema_)
+    def for_target(self, target: JsonTarget | None) -> Callable[[], LogitsProcessor] | None:
+        """The constraint of a request's JSON answer (`structured_output.json_target`); None for plain text."""
+        return None if target is None else self.json_schema(target.schema, target.compact, target.param)
 
 
 class _JsonProcessor:

@@ -23,6 +23,7 @@ from rayrunner.deployments.images import load_images
 from rayrunner.deployments.sampling import SamplingParams
 from rayrunner.deployments.scheduler import StepScheduler, scheduler_limits
 from rayrunner.deployments.sequence import stop_ids
+from rayrunner.deployments.structured_output import json_target
 from rayrunner.loading import load_model
 from rayrunner.protocol import ChatCompletionRequest, ChatMessage, ImagePart
 from rayrunner.spec import ModelSpec
@@ -75,7 +76,7 @@ class MultimodalEngine(Engine):
                    ) -> AsyncIterator[GenerationEvent]:
         if adapter is not None:
             await self.use_adapter(adapter, None)  # refuses: no adapters on multimodal models
-        params.constraint = self.grammars.for_response_format(request.response_format)
+        params.constraint = self.grammars.for_target(json_target(request))
         conversation, urls = to_conversation(request.messages)
         images = await load_images(urls, self.spec.engine)
         inputs = await run_single_threaded(self._inputs, conversation, images)

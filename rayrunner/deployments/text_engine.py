@@ -21,12 +21,13 @@ from rayrunner.deployments.lora import LoraAdapters, adapter_folder
 from rayrunner.deployments.sampling import LogitsProcessor, SamplingParams
 from rayrunner.deployments.scheduler import StepScheduler, scheduler_limits
 from rayrunner.deployments.sequence import stop_ids
-from rayrunner.deployments.tool_replies import ToolReplies, forced_choice
+from rayrunner.deployments.structured_output import JsonTarget, json_target
+from rayrunner.deployments.tool_replies import ToolReplies
 from rayrunner.errors import InvalidRequestError, UnsupportedRequestError
 from rayrunner.loading import Loaded, load_model
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
 from rayrunner.spec import ModelSpec
-from rayrunner.tool_calls import forced_call_schema, markers, tool_format
+from rayrunner.tool_calls import markers, tool_format
 from rayrunner.which import Lora
 
 T = TypeVar("T")
@@ -80,10 +81,12 @@ class TextEngine(Engine):
              ) -> AsyncIterator[GenerationEvent]:
         if request.has_images():
             raise UnsupportedRequestError("this is a text model: image inputs need a multimodal model")
+        target = json_target(request)
         text = render_chat(self.tokenizer, request.messages, request.tools, self.spec.engine.chat_template,
-                           tool_choice_none=request.tool_choice == "none")
+                           tool_choice_none=request.tool_choice == "none",
+                           system_note=target.system_note if target else None)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        params.constraint = self._constraint(request)
+        params.constraint = self._constraint(target)
         return self._generate(ids, params, adapter, self._tool_markers(request))
 
     def tool_replies(self, request: ChatCompletionRequest) -> ToolReplies | None:
@@ -98,13 +101,9 @@ class TextEngine(Engine):
             return frozenset()
         return special_ids(self.tokenizer, markers(replies.fmt))
 
-    def _constraint(self, request: ChatCompletionRequest) -> Callable[[], LogitsProcessor] | None:
-        """A forced tool call's JSON, else the response_format's."""
-        choice = forced_choice(request)
-        if choice is not None and request.tools:
-            parallel = choice == "required" and request.parallel_tool_calls is not False
-            return self.grammars.json_schema(forced_call_schema(request.tools, choice, parallel))
-        return self.grammars.for_response_format(request.response_format)
+    def _constraint(self, target: JsonTarget | None) -> Callable[[], LogitsProcessor] | None:
+        """The grammar of a chat's JSON answer (a forced tool call's or the response_format's), if it has one."""
+        return self.grammars.for_target(target)
 
     def complete(self, request: CompletionRequest, params: SamplingParams, adapter: str | None = None
                  ) -> AsyncIterator[GenerationEvent]:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, ValidationInfo, field
 from pydantic_core import PydanticCustomError
 
 from rayrunner.errors import client_error
-from rayrunner.protocol import DEFAULT_MODEL, KeepAliveField
+from rayrunner.protocol import DEFAULT_MODEL, KeepAliveField, StructuredOutputOptions
 
 
 def _new_id(prefix: str) -> str:
@@ -120,6 +120,10 @@ class ResponsesRequest(BaseModel):
     keep_alive: KeepAliveField = None
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 or unset means greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, description="rayrunner extension, as in chat: seed for sampling.")
+    structured_output_options: StructuredOutputOptions | None = Field(
+        None, description="rayrunner extension, as in chat: switches for how JSON answers are kept on the model's "
+        "distribution.")
     stream: bool = False
     metadata: dict[str, Any] | None = Field(None, description="Accepted and ignored.")
     user: str | None = Field(None, description="Accepted and ignored.")
@@ -161,7 +165,8 @@ def to_chat_request(request: ResponsesRequest) -> dict[str, Any]:
         "stream": request.stream, "stream_options": {"include_usage": True} if request.stream else None,
         "tools": [_chat_tool(tool) for tool in request.tools] if request.tools else None,
         "tool_choice": _chat_tool_choice(request.tool_choice), "parallel_tool_calls": request.parallel_tool_calls,
-        "response_format": _chat_format(request.text), "keep_alive": request.keep_alive,
+        "response_format": _chat_format(request.text), "keep_alive": request.keep_alive, "seed": request.seed,
+        "structured_output_options": request.structured_output_options,
     }
     return {key: value for key, value in chat.items() if value is not None}
 

@@ -1,5 +1,7 @@
-"""Constrained decoding for `response_format`: the processor on SmolLM2's tokenizer (masks, EOS at the end of the
-JSON, bounded whitespace, refused schemas), then sampled replies through a real TextEngine that all validate."""
+"""Constrained decoding for `response_format` and forced tool calls: the processor on SmolLM2's tokenizer (masks, EOS
+at the end of the JSON, compact or capped whitespace, refused schemas), what structured_output.py makes of a request
+(closed objects, bounded strings, arrays and free-form objects, the schema stated in the system message, each
+switchable), then replies through a real TextEngine that all validate and end by themselves."""
 
 from __future__ import annotations
 
@@ -12,12 +14,15 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+from pydantic import ValidationError
 
+from rayrunner.deployments.chat_prompt import render_chat
 from rayrunner.deployments.constrained import Grammars
 from rayrunner.deployments.sampling import SamplingParams
+from rayrunner.deployments.structured_output import json_target
 from rayrunner.deployments.text_engine import TextEngine
 from rayrunner.errors import InvalidRequestError
-from rayrunner.protocol import ChatCompletionRequest, ResponseFormat
+from rayrunner.protocol import ChatCompletionRequest
 from rayrunner.spec import build_spec
 
 # Bounded on purpose (maxLength, maxItems, integer bounds, few keys): a reply that runs out of max_tokens is cut
@@ -81,7 +86,7 @@ def test_forbidden_tokens_are_masked_and_eos_waits_for_a_complete_value(smollm2:
 
 
 def test_sequences_of_one_request_each_get_their_own_matcher(smollm2: TextEngine, grammars: Grammars) -> None:
-    factory = grammars.json_object()
+    factory = grammars.json_schema({"type": "object"})
     first, second = factory(), factory()
     _allowed(first, _ids(smollm2, '{"a": 1}'))
     assert _allowed(first, _ids(smollm2, '{"a": 1}')) == smollm2.eos_ids
@@ -90,16 +95,17 @@ def test_sequences_of_one_request_each_get_their_own_matcher(smollm2: TextEngine
 
 def test_model_vocabulary_past_the_tokenizer_is_never_allowed(smollm2: TextEngine) -> None:
     wide = Grammars(smollm2.tokenizer, smollm2.eos_ids, 49152 + 64)
-    processor = wide.json_object()()
+    processor = wide.json_schema({"type": "object"})()
     assert max(_allowed(processor, [], 49152 + 64)) < 49152
 
 
 @pytest.mark.parametrize("prefix", ["{", '{"a":', '{"a": [1,'])
-def test_whitespace_between_json_tokens_is_capped(smollm2: TextEngine, grammars: Grammars, prefix: str) -> None:
+def test_flexible_whitespace_between_json_tokens_is_capped(smollm2: TextEngine, grammars: Grammars,
+                                                            prefix: str) -> None:
     """A model that prefers whitespace above all still writes at most 16 whitespace characters in a gap, then has
     to go on with the JSON (inside strings whitespace is content, and is not capped)."""
     blank = [i for i in range(49152) if smollm2.tokenizer.decode([i]).isspace()]
-    processor = grammars.json_object()()
+    processor = grammars.json_schema({"type": "object"}, compact=False)()
     output = _ids(smollm2, prefix)
     for _ in range(20):
         logits = torch.zeros(49152)
@@ -109,8 +115,23 @@ def test_whitespace_between_json_tokens_is_capped(smollm2: TextEngine, grammars:
     assert re.match(r"\s{16}\S", gap), repr(gap)
 
 
+@pytest.mark.parametrize(("prefix", "starts"), [("{", "none"), ('{"a":', "space"), ('{"a": ', "none"),
+                                               ('{"a": [1,', "space"), ('{"a": [1, ', "none")])
+def test_compact_json_has_no_whitespace_but_its_separators(smollm2: TextEngine, grammars: Grammars, prefix: str,
+                                                           starts: str) -> None:
+    """Compact (the default) is JSON as `json.dumps` writes it: `", "` and `": "`, no newline or other space, so
+    the `\\n\\n,\\n\\n` separators SmolLM2 wrote under flexible whitespace cannot happen."""
+    processor = grammars.json_schema({"type": "object", "additionalProperties": {"type": "array"}})()
+    allowed = [smollm2.tokenizer.decode([t]) for t in _allowed(processor, _ids(smollm2, prefix))]
+    assert allowed and not any(blank in text for text in allowed for blank in ("\n", "\t", "  "))
+    if starts == "space":
+        assert all(text.startswith(" ") for text in allowed), allowed
+    else:
+        assert not any(text.startswith(" ") for text in allowed), allowed
+
+
 def test_a_refused_token_ends_the_reply(smollm2: TextEngine, grammars: Grammars) -> None:
-    processor = grammars.json_object()()
+    processor = grammars.json_schema({"type": "object"})()
     assert _allowed(processor, _ids(smollm2, "hello")) == smollm2.eos_ids
 
 
@@ -128,43 +149,171 @@ def test_a_schema_it_cannot_enforce_is_a_400_naming_why(grammars: Grammars, sche
     assert caught.value.param == "response_format" and caught.value.status == 400
 
 
-def test_response_format_picks_the_constraint(grammars: Grammars) -> None:
-    assert grammars.for_response_format(None) is None
-    assert grammars.for_response_format(ResponseFormat(type="text")) is None
-    assert grammars.for_response_format(ResponseFormat(type="json_object")) is not None
-    fmt = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "e", "schema": EMPLOYEE}})
-    assert grammars.for_response_format(fmt) is not None
-    with pytest.raises(InvalidRequestError, match="uniqueItems"):
-        grammars.for_response_format(ResponseFormat.model_validate(
-            {"type": "json_schema", "json_schema": {"schema": {"type": "array", "uniqueItems": True}}}))
+# ---------------------------------------------------------------- what a request's JSON answer must be
+
+BOOK = {"properties": {"title": {"title": "Title", "type": "string"}, "author": {"title": "Author", "type": "string"},
+                       "year": {"title": "Year", "type": "integer"}},
+        "required": ["title", "author", "year"], "title": "Book", "type": "object"}  # pydantic's, as clients send it
+BOOK_PROMPT = "Name a famous novel, its author and the year it was published. Answer in JSON."
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-async def _replies(engine: TextEngine, grammars: Grammars, prompt: str, fmt: dict[str, Any],
-                   seeds: range) -> list[tuple[str, str | None]]:
-    """Sampled replies (temperature 1, one seed each), all in one batch. The request carries `response_format`
-    and its params the matching constraint, so this holds whether or not the engine derives it from the request."""
-    request = ChatCompletionRequest(messages=[{"role": "user", "content": prompt}], response_format=fmt)
+def _request(fmt: dict[str, Any] | None = None, prompt: str = BOOK_PROMPT, **fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": prompt}],
+                                                 "response_format": fmt, **fields})
 
-    async def reply(seed: int) -> tuple[str, str | None]:
-        constraint = grammars.for_response_format(request.response_format)
-        params = SamplingParams(max_tokens=120, temperature=1.0, seed=seed, constraint=constraint)
+
+def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def _accepts(smollm2: TextEngine, grammars: Grammars, request: ChatCompletionRequest, text: str) -> bool:
+    """Whether the request's grammar lets `text` through (whole or as the start of a longer answer)."""
+    factory = grammars.for_target(json_target(request))
+    assert factory is not None
+    matcher = factory().matcher  # type: ignore[attr-defined]
+    return all(matcher.consume_token(token) for token in _ids(smollm2, text))
+
+
+def test_text_answers_have_no_constraint(grammars: Grammars) -> None:
+    assert json_target(_request()) is None and json_target(_request({"type": "text"})) is None
+    assert grammars.for_target(None) is None
+
+
+def test_objects_with_properties_allow_no_other_keys_unless_the_schema_says(smollm2: TextEngine,
+                                                                           grammars: Grammars) -> None:
+    """Plain pydantic schemas and tool parameters set no `additionalProperties`: SmolLM2 wrote `"type": "function",
+    "description": ...` into a forced call's arguments. Objects with `properties` are closed (OpenAI strict mode's
+    rule), unless the schema says otherwise or the request switches it off."""
+    extra = '{"title": "Emma", "author": "Jane Austen", "year": 1815, "genre"'
+    assert not _accepts(smollm2, grammars, _request(_schema_format(BOOK)), extra)
+    assert _accepts(smollm2, grammars, _request(_schema_format({**BOOK, "additionalProperties": True})), extra)
+    assert _accepts(smollm2, grammars, _request(_schema_format(BOOK), structured_output_options={
+        "strict_objects": False}), extra)
+    call = {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    assert not _accepts(smollm2, grammars, _request(**call), '{"name": "get_weather", "arguments": {"city": "Paris", "')
+    assert _accepts(smollm2, grammars, _request(**call), '{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    # allOf members stay open: each would refuse the keys the others add
+    both = {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "integer"}}}]}
+    assert _accepts(smollm2, grammars, _request(_schema_format(both)), '{"a": 1, "b": 2}')
+
+
+def test_strings_and_arrays_without_bounds_get_the_defaults(smollm2: TextEngine, grammars: Grammars) -> None:
+    """Runaway strings (`"A.A.A.A...`) and arrays (`"chicken", "chicken", ...`) end: 256 characters, 16 items,
+    unless the schema sets its own bound (or a pattern, format, enum) or the request switches them off."""
+    schema = {"type": "object", "properties": {"s": {"type": "string"}, "a": {"type": "array", "items": {
+        "type": "integer"}}, "long": {"type": "string", "minLength": 300}}}
+    fmt = _schema_format(schema)
+    assert _accepts(smollm2, grammars, _request(fmt), '{"s": "' + "x" * 256 + '"')
+    assert not _accepts(smollm2, grammars, _request(fmt), '{"s": "' + "x" * 257)
+    assert _accepts(smollm2, grammars, _request(fmt), '{"long": "' + "x" * 300 + '"')  # its minLength wins
+    assert _accepts(smollm2, grammars, _request(fmt), '{"a": [' + ", ".join(["1"] * 16) + "]")
+    assert not _accepts(smollm2, grammars, _request(fmt), '{"a": [' + ", ".join(["1"] * 17))
+    unbounded = _request(fmt, structured_output_options={"max_string_length": None, "max_array_items": None})
+    assert _accepts(smollm2, grammars, unbounded, '{"s": "' + "x" * 400 + '", "a": [' + ", ".join(["1"] * 20) + "]")
+    narrower = _request(fmt, structured_output_options={"max_string_length": 4})
+    assert not _accepts(smollm2, grammars, narrower, '{"s": "xxxxx')
+
+
+def test_free_objects_have_bounded_identifier_keys(smollm2: TextEngine, grammars: Grammars) -> None:
+    """`json_object` on SmolLM2 looped `"1984": "1984", ...` and wrote keys like `", by Elizabeth..."`: a free-form
+    object's keys are identifiers, at most 16 of them, its strings and arrays bounded (`free_objects: open` lifts
+    it)."""
+    fmt = {"type": "json_object"}
+    assert _accepts(smollm2, grammars, _request(fmt), '{"title": "1984", "year": 1949, "tags": [{"a_1": null}]}')
+    assert not _accepts(smollm2, grammars, _request(fmt), '{"1984"')
+    assert not _accepts(smollm2, grammars, _request(fmt), '{"a b"')
+    many = "{" + ", ".join(f'"k{i}": {i}' for i in range(17))
+    assert not _accepts(smollm2, grammars, _request(fmt), many)
+    assert not _accepts(smollm2, grammars, _request(fmt), '{"a": {"b": "' + "x" * 257)
+    opened = _request(fmt, structured_output_options={"free_objects": "open"})
+    assert _accepts(smollm2, grammars, opened, '{"1984": "1984", "a b": 1}')
+
+
+def test_the_schema_is_stated_unless_a_message_quotes_its_keys() -> None:
+    note = json_target(_request(_schema_format(BOOK))).system_note  # type: ignore[union-attr]
+    assert note == ('Reply with a JSON object that matches this JSON Schema:\n{"properties": {"title": {"type": '
+                    '"string"}, "author": {"type": "string"}, "year": {"type": "integer"}}, "required": ["title", '
+                    '"author", "year"], "type": "object"}')
+    quoted = 'Answer like {"title": "...", "author": "...", "year": 1900}.'
+    assert json_target(_request(_schema_format(BOOK), prompt=quoted)).system_note is None  # type: ignore[union-attr]
+    off = _request(_schema_format(BOOK), structured_output_options={"state_schema": False})
+    assert json_target(off).system_note is None  # type: ignore[union-attr]
+    assert json_target(_request({"type": "json_object"})).system_note is None  # type: ignore[union-attr]
+    huge = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(300)}}
+    assert json_target(_request(_schema_format(huge))).system_note is None  # type: ignore[union-attr]
+
+
+def test_the_note_joins_the_system_message(smollm2: TextEngine) -> None:
+    tokenizer = smollm2.tokenizer
+    user = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}]}).messages
+    alone = render_chat(tokenizer, user, None, None, system_note="NOTE")
+    assert alone.startswith("<|im_start|>system\nNOTE<|im_end|>")
+    system = ChatCompletionRequest.model_validate({"messages": [{"role": "system", "content": "Be brief."},
+                                                                {"role": "user", "content": "Hi"}]}).messages
+    assert render_chat(tokenizer, system, None, None, system_note="NOTE").startswith(
+        "<|im_start|>system\nBe brief.\n\nNOTE<|im_end|>")
+
+
+def test_a_misspelt_option_is_refused() -> None:
+    with pytest.raises(ValidationError, match="strict"):
+        _request(_schema_format(BOOK), structured_output_options={"strict": False})
+    with pytest.raises(ValidationError, match="whitespace"):
+        _request(_schema_format(BOOK), structured_output_options={"whitespace": "pretty"})
+
+
+def test_a_schema_error_names_the_field_it_came_from(grammars: Grammars) -> None:
+    with pytest.raises(InvalidRequestError, match="uniqueItems") as caught:
+        grammars.for_target(json_target(_request(_schema_format({"type": "array", "uniqueItems": True}))))
+    assert caught.value.param == "response_format"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "array", "uniqueItems": True}}}}}
+    with pytest.raises(InvalidRequestError, match="uniqueItems") as caught:
+        grammars.for_target(json_target(_request(tools=[tool], tool_choice="required")))
+    assert caught.value.param == "tools"
+
+
+# ---------------------------------------------------------------- replies through a real engine
+
+
+async def _replies(engine: TextEngine, requests: list[ChatCompletionRequest], temperature: float = 1.0,
+                   seeds: list[int | None] | None = None, max_tokens: int = 120) -> list[tuple[str, str | None]]:
+    """Each request's reply (one seed each), all in one batch; the engine derives the constraint from it."""
+    seeds = seeds or [None] * len(requests)
+
+    async def reply(request: ChatCompletionRequest, seed: int | None) -> tuple[str, str | None]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
         events = [event async for event in engine.chat(request, params)]
         return "".join(e.text for e in events), events[-1].finish_reason
 
-    return await asyncio.gather(*(reply(seed) for seed in seeds))
+    return await asyncio.gather(*(reply(request, seed) for request, seed in zip(requests, seeds, strict=True)))
 
 
-async def test_twenty_sampled_replies_all_validate(smollm2: TextEngine, grammars: Grammars) -> None:
-    fmt = {"type": "json_schema", "json_schema": {"name": "employee", "schema": EMPLOYEE}}
-    prompt = "Describe a fictional employee as JSON with name, age, role and skills."
-    for text, reason in await _replies(smollm2, grammars, prompt, fmt, range(20)):
+async def test_the_greedy_replies_that_ran_away_now_end(smollm2: TextEngine) -> None:
+    """Greedy SmolLM2 looped `"1984"\\n\\n: "1984"\\n\\n,...` on this json_object request and ran to max_tokens
+    inside a string (`"A.A.A.A...`) on the openai SDK's Book prompt (as vLLM does); with the defaults both end."""
+    novel = _request({"type": "json_object"},
+                     "Name one famous novel, with its author and the year it was published.")
+    strict = {**BOOK, "additionalProperties": False}  # the openai SDK's `parse` sends this
+    book = _request({"type": "json_schema", "json_schema": {"name": "Book", "schema": strict, "strict": True}})
+    (loop, loop_end), (text, end) = await _replies(smollm2, [novel, book], temperature=0.0)
+    assert loop_end == "stop" and isinstance(json.loads(loop), dict), loop
+    assert end == "stop", text
+    jsonschema.validate(json.loads(text), strict)
+
+
+async def test_twenty_sampled_replies_all_validate(smollm2: TextEngine) -> None:
+    request = _request(_schema_format(EMPLOYEE), "Describe a fictional employee as JSON with name, age, role and "
+                       "skills.")
+    for text, reason in await _replies(smollm2, [request] * 20, seeds=list(range(20))):
         assert reason == "stop", text
         jsonschema.validate(json.loads(text), EMPLOYEE)
 
 
-async def test_json_object_replies_parse_to_objects(smollm2: TextEngine, grammars: Grammars) -> None:
-    """Any JSON object has no bound: a prompt that asks for a small one keeps the replies well inside max_tokens."""
-    prompt = "What is the capital of France? Answer as a JSON object with the keys country and capital."
-    for text, reason in await _replies(smollm2, grammars, prompt, {"type": "json_object"}, range(4)):
+async def test_json_object_replies_parse_to_objects(smollm2: TextEngine) -> None:
+    request = _request({"type": "json_object"}, "What is the capital of France? Answer as a JSON object with the "
+                       "keys country and capital.")
+    for text, reason in await _replies(smollm2, [request] * 4, seeds=list(range(4))):
         assert reason == "stop", text
         assert isinstance(json.loads(text), dict)
