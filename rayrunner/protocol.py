@@ -185,10 +185,10 @@ class StructuredOutputOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    state_schema: bool = Field(True, description="Tell the model the schema (a `json_schema` format's, compact, "
-                               "titles left out) in the system message, appended to the client's or as a new one, "
-                               "unless a message already quotes every top-level key. Tool calls need none: tools "
-                               "are always described to the model.")
+    state_schema: bool = Field(True, description="Tell the model the schema in the system message (appended to the "
+                               "client's, or as a new one), compact and without `title`s, unless a message already "
+                               "quotes every top-level key: a `json_schema` format's, or the arguments' of a forced "
+                               "call of one function.")
     strict_objects: bool = Field(True, description="An object schema with `properties` and no "
                                  "`additionalProperties` allows no other keys (OpenAI strict mode's rule and "
                                  "xgrammar's default; JSON Schema itself allows any). Tool arguments too.")

@@ -13,32 +13,37 @@ separators no well-formed reply has, and ran to max_tokens inside a string (`"A.
 - strings get `maxLength` 256 and arrays `maxItems` 16 where the schema sets no bound of its own;
 - free-form objects (`json_object`, `{"type": "object"}`) are bounded: identifier keys (SmolLM2 wrote keys such as
   `", by Elizabeth Bennickle, published..."`), at most 16 of them, values bounded as above;
-- a `json_schema` format's schema is stated in the system message (compact, `title`s left out), unless a message
-  already quotes every top-level key (instructor, pydantic-ai's prompted output and most hand-written prompts that
-  show an example do).
+- the schema is stated in the system message (compact, `title`s left out): a `json_schema` format's, or the
+  arguments' of a forced call of one function, unless a message already quotes every top-level key (instructor,
+  pydantic-ai's prompted output and most hand-written prompts that show an example do).
 
 Each is switchable per request (`structured_output_options`, protocol.StructuredOutputOptions). Measured on SmolLM2
-(bf16, this CPU) through this module, the engine and its grammar: 13 schema x prompt cases (Book, a nested Movie, a
-Recipe with an enum and an array, each as the openai SDK's strict schema and as plain pydantic; four `json_object`
-prompts; a named tool call whose schema lists only `city`; a held-out Event and Review), greedy and 5 seeds at
-temperature 0.7, max_tokens 256, counting replies that validate and end by themselves (`stop`):
+(bf16, this CPU) through this module, the engine and its grammar: 14 schema x prompt cases (Book, a nested Movie,
+a Recipe with an enum and an array, each as the openai SDK's strict schema and as plain pydantic; four
+`json_object` prompts; a named call of a tool whose schema lists only `city`; held out: an Event, a Review and
+pydantic-ai's output tool), greedy and 5 seeds at temperature 0.7, max_tokens 256, counting replies that validate
+and end by themselves (`stop`):
 
 | options | valid and `stop` | tokens |
 | --- | --- | --- |
-| all defaults | 78/78 | 3,715 |
-| all off (rayrunner before: flexible whitespace, open objects, no bounds, no note) | 57/78 | 8,636 |
-| defaults but `whitespace: flexible` | 71/78 | 6,028 |
-| defaults but no string and array bounds | 67/78 | 5,154 |
-| defaults but `strict_objects: false` (the tool's arguments got `"type": "string"`) | 73/78 | 5,068 |
-| defaults but `state_schema: false` | 74/78 | 4,973 |
-| defaults but `free_objects: open` | 75/78 | 4,855 |
+| all defaults | 83/84 | 4,598 |
+| all off (rayrunner before: flexible whitespace, open objects, no bounds, no note) | 61/84 | 9,092 |
+| defaults but `whitespace: flexible` | 76/84 | 6,791 |
+| defaults but no string or array bounds | 71/84 | 5,965 |
+| defaults but `strict_objects: false` (the tool's arguments got `"type": "string"`) | 81/84 | 4,932 |
+| defaults but `state_schema: false` | 80/84 | 5,224 |
+| defaults but `free_objects: open` | 78/84 | 5,210 |
 
+A repeat run (bf16 batch composition moves single sampled replies) gave the defaults 84/84, strings bounded at 128
+characters 82/84 (so 256 stays: it cuts fewer legitimate answers) and the other rows, with strings at 128, within 2
+of these.
 Choices along the way (fewer cases, max_tokens 120-200): no whitespace at all 22/27 and one newline plus indentation
-23/27, against compact 24/27 and flexible 20/27; bounds of 128 characters and 8 items 42/42 against 41/42 for 256
-and 16 on the hardest cases, not worth cutting legitimate answers (the twelve months, a three-sentence summary);
-`^[^"\\\\]{1,64}$` keys 38/42 against identifiers 41/42; a one-line example after the stated schema gained nothing
-(25 vs 25 of 27, 34 vs 33 of 36, 42 vs 42 of 42) and one reply came back as its skeleton
-(`{"title":"","author":"","year":0}`).
+23/27, against compact 24/27 and flexible 20/27; `^[^"\\\\]{1,64}$` keys 38/42 against identifiers 41/42; a one-line
+example after the stated schema gained nothing (25 vs 25 of 27, 34 vs 33 of 36, 42 vs 42 of 42) and one reply came
+back as its skeleton (`{"title":"","author":"","year":0}`). pydantic-ai's output tool (`tool_choice: required`,
+one tool) ran to max_tokens greedily inside a string (`"author": "A.A.D.A.A...`) with only the tools prompt (5/6
+`stop`); with its arguments' schema stated, 6/6 (the whole call's schema: 6/6, but two replies made extra calls;
+a one-line example: 5/6).
 """
 
 from __future__ import annotations
@@ -46,10 +51,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from rayrunner.deployments.tool_replies import forced_choice
-from rayrunner.protocol import ChatCompletionRequest, ChatMessage, StructuredOutputOptions
+from rayrunner.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, StructuredOutputOptions
 from rayrunner.tool_calls import forced_call_schema
 
 # Keys whose value is one subschema, a list of them, or a map of names to them: everything else is data (`enum`,
@@ -85,14 +90,15 @@ def json_target(request: ChatCompletionRequest) -> JsonTarget | None:
     choice = forced_choice(request)
     if choice is not None and request.tools:
         parallel = choice == "required" and request.parallel_tool_calls is not False
-        return JsonTarget(shaped(forced_call_schema(request.tools, choice, parallel), options), compact, param="tools")
+        schema = shaped(forced_call_schema(request.tools, choice, parallel), options)
+        return JsonTarget(schema, compact, _call_note(request, choice) if options.state_schema else None, "tools")
     fmt = request.response_format
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object" or fmt.json_schema is None:
         return JsonTarget(shaped({"type": "object"}, options), compact)
     schema = fmt.json_schema.schema_
-    note = schema_note(schema) if options.state_schema and not states_schema(request.messages, schema) else None
+    note = _format_note(schema) if options.state_schema and not states_schema(request.messages, schema) else None
     return JsonTarget(shaped(schema, options), compact, note)
 
 
@@ -107,7 +113,7 @@ def shaped(schema: Node, options: StructuredOutputOptions) -> Node:
     def shape(node: Node, in_all_of: bool) -> Node:
         if options.strict_objects and not in_all_of:
             node = _closed(node)
-        node = _bounded(node, options)
+        node = _bounded(node, options.max_string_length, options.max_array_items)
         return _free_object(node, options) if free is not None and _is_free_object(node) else node
 
     out = _map_schema(schema, shape)
@@ -133,12 +139,12 @@ def _types(node: Node) -> set[str]:
     return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
 
 
-def _bounded(node: Node, options: StructuredOutputOptions) -> Node:
+def _bounded(node: Node, strings: int | None, items: int | None) -> Node:
     types = _types(node)
-    if options.max_string_length and "string" in types and not any(k in node for k in _SHAPED_STRING):
-        node = {**node, "maxLength": max(options.max_string_length, node.get("minLength", 0))}
-    if options.max_array_items and "array" in types and "maxItems" not in node:
-        node = {**node, "maxItems": max(options.max_array_items, node.get("minItems", 0))}
+    if strings and "string" in types and not any(k in node for k in _SHAPED_STRING):
+        node = {**node, "maxLength": max(strings, node.get("minLength", 0))}
+    if items and "array" in types and "maxItems" not in node:
+        node = {**node, "maxItems": max(items, node.get("minItems", 0))}
     return node
 
 
@@ -197,11 +203,27 @@ def states_schema(messages: list[ChatMessage], schema: Node) -> bool:
     return bool(keys) and any(all(key in message.text() for key in keys) for message in messages)
 
 
-def schema_note(schema: Node) -> str | None:
-    """What the system message says of a `json_schema` format; None when the schema is too large to state."""
+def _stated(schema: Node) -> str | None:
+    """The schema as the system message states it: compact, `title`s left out; None when it is too large."""
     text = json.dumps(_map_schema(schema, lambda node, _: {k: v for k, v in node.items() if k != "title"}),
                       ensure_ascii=False)
-    if len(text) > _MAX_NOTE_CHARS:
-        return None
+    return text if len(text) <= _MAX_NOTE_CHARS else None
+
+
+def _format_note(schema: Node) -> str | None:
+    """What the system message says of a `json_schema` format."""
+    text = _stated(schema)
     what = "a JSON object" if "properties" in schema or _types(schema) == {"object"} else "JSON"
-    return f"Reply with {what} that matches this JSON Schema:\n{text}"
+    return None if text is None else f"Reply with {what} that matches this JSON Schema:\n{text}"
+
+
+def _call_note(request: ChatCompletionRequest, choice: Literal["required"] | NamedToolChoice) -> str | None:
+    """What the system message says of a forced call of one function (the tools prompt lists them all): its
+    arguments' schema, unless a message quotes their keys. None when the call may be to one of several."""
+    tools = request.tools or []
+    wanted = [tool.function for tool in tools if choice == "required" or tool.function.name == choice.function.name]
+    if len(wanted) != 1 or states_schema(request.messages, wanted[0].parameters):
+        return None
+    text = _stated(wanted[0].parameters)
+    return None if text is None else (f"Call {wanted[0].name}. Its arguments are a JSON object that matches this "
+                                      f"JSON Schema:\n{text}")

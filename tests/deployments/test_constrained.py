@@ -168,6 +168,12 @@ def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
 
 
+def _note(request: ChatCompletionRequest) -> str | None:
+    target = json_target(request)
+    assert target is not None
+    return target.system_note
+
+
 def _accepts(smollm2: TextEngine, grammars: Grammars, request: ChatCompletionRequest, text: str) -> bool:
     """Whether the request's grammar lets `text` through (whole or as the start of a longer answer)."""
     factory = grammars.for_target(json_target(request))
@@ -212,8 +218,8 @@ def test_strings_and_arrays_without_bounds_get_the_defaults(smollm2: TextEngine,
     assert not _accepts(smollm2, grammars, _request(fmt), '{"a": [' + ", ".join(["1"] * 17))
     unbounded = _request(fmt, structured_output_options={"max_string_length": None, "max_array_items": None})
     assert _accepts(smollm2, grammars, unbounded, '{"s": "' + "x" * 400 + '", "a": [' + ", ".join(["1"] * 20) + "]")
-    narrower = _request(fmt, structured_output_options={"max_string_length": 4})
-    assert not _accepts(smollm2, grammars, narrower, '{"s": "xxxxx')
+    fixed = _request(fmt, structured_output_options={"max_string_length": 4})
+    assert not _accepts(smollm2, grammars, fixed, '{"s": "xxxxx')
 
 
 def test_free_objects_have_bounded_identifier_keys(smollm2: TextEngine, grammars: Grammars) -> None:
@@ -232,17 +238,31 @@ def test_free_objects_have_bounded_identifier_keys(smollm2: TextEngine, grammars
 
 
 def test_the_schema_is_stated_unless_a_message_quotes_its_keys() -> None:
-    note = json_target(_request(_schema_format(BOOK))).system_note  # type: ignore[union-attr]
+    note = _note(_request(_schema_format(BOOK)))
     assert note == ('Reply with a JSON object that matches this JSON Schema:\n{"properties": {"title": {"type": '
                     '"string"}, "author": {"type": "string"}, "year": {"type": "integer"}}, "required": ["title", '
                     '"author", "year"], "type": "object"}')
     quoted = 'Answer like {"title": "...", "author": "...", "year": 1900}.'
-    assert json_target(_request(_schema_format(BOOK), prompt=quoted)).system_note is None  # type: ignore[union-attr]
+    assert _note(_request(_schema_format(BOOK), prompt=quoted)) is None
     off = _request(_schema_format(BOOK), structured_output_options={"state_schema": False})
-    assert json_target(off).system_note is None  # type: ignore[union-attr]
-    assert json_target(_request({"type": "json_object"})).system_note is None  # type: ignore[union-attr]
+    assert _note(off) is None
+    assert _note(_request({"type": "json_object"})) is None
     huge = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(300)}}
-    assert json_target(_request(_schema_format(huge))).system_note is None  # type: ignore[union-attr]
+    assert _note(_request(_schema_format(huge))) is None
+
+
+
+def test_a_forced_call_of_one_function_states_its_arguments() -> None:
+    """pydantic-ai's output tool (`tool_choice: required`, one tool) ran away greedily with only the tools prompt."""
+    assert _note(_request(tools=[WEATHER], tool_choice="required")) == (
+        'Call get_weather. Its arguments are a JSON object that matches this JSON Schema:\n{"type": "object", '
+        '"properties": {"city": {"type": "string"}}, "required": ["city"]}')
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    assert _note(_request(tools=[WEATHER, other], tool_choice="required")) is None
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert str(_note(_request(tools=[WEATHER, other], tool_choice=named))).startswith("Call get_time.")
+    off = _request(tools=[WEATHER], tool_choice="required", structured_output_options={"state_schema": False})
+    assert _note(off) is None
 
 
 def test_the_note_joins_the_system_message(smollm2: TextEngine) -> None:
