@@ -48,7 +48,7 @@ def _entry(model_id: str | None, which: Any, in_situ_quant: str | None, aliases:
     parsed = Which.parse(which)
     spec = build_spec(model_id or parsed.source, parsed, in_situ_quant, engine)
     return {"spec": spec.model_dump(mode="json"), "aliases": aliases, "load": load, "pinned": pinned or None,
-            "keep_alive": keep_alive, "derivable": model_id is None}
+            "keep_alive": keep_alive}
 
 
 def spec_variant_ids(spec: dict[str, Any]) -> list[str]:
@@ -83,12 +83,12 @@ class Runner:
         state_path: str | None = None,
         app_name: str = APP_NAME,
         log_level: str | int = "WARNING",
-        _models: list[dict[str, Any]] | None = None,
+        _models: list[tuple[dict[str, Any], bool]] | None = None,
         _default: str | None = None,
     ) -> None:
         models = list(_models or [])
         if which is not None:
-            models.insert(0, _entry(model_id, which, in_situ_quant, [], True, engine))
+            models.insert(0, (_entry(model_id, which, in_situ_quant, [], True, engine), model_id is None))
         self._owns_cluster = _start_ray(address, log_level)
         self.app_name = app_name
         self._handle = _ensure_router(app_name, http_port, state_path, self._owns_cluster)
@@ -96,8 +96,8 @@ class Runner:
         self._own: list[str] = []  # ids of the models this Runner holds, in the order it got them
         self._plain_ids: dict[str, str] = {}  # a plain id this Runner's model took a spec-derived id for -> that id
         self._default: str | None = None
-        for entry in models:
-            self._register(entry)
+        for entry, derivable in models:
+            self._register(entry, derivable)
         if _default is not None:
             self.set_default_model_id(_default)
 
@@ -158,7 +158,7 @@ class Runner:
                   keep_alive: str | float | None = None) -> None:
         """Register (and with `load`, load) a model, which this Runner then holds. `pinned`: never evicted to make
         room; `keep_alive`: unload after this long idle ("5m", "30s", seconds, -1 forever)."""
-        self._register(_entry(model_id, which, in_situ_quant, list(aliases), load, engine, pinned, keep_alive))
+        self._register(_entry(model_id, which, in_situ_quant, list(aliases), load, engine, pinned, keep_alive), False)
 
     def pin_model(self, model_id: str) -> None:
         """Never evict the model to make room for another (keep_alive still applies); saved in the registry."""
@@ -218,11 +218,9 @@ class Runner:
 
     # ------------------------------------------------------------ plumbing
 
-    def _register(self, entry: dict[str, Any]) -> None:
+    def _register(self, entry: dict[str, Any], derivable: bool) -> None:
         """Add (or attach to) the entry's model; a spec that clashes with a registered one of the same plain id
         takes a spec-derived id instead, unless the caller named the id."""
-        entry = dict(entry)
-        derivable = entry.pop("derivable", False)
         plain = entry["spec"]["model_id"]
         model_id = self._add_first_free(entry, spec_variant_ids(entry["spec"]) if derivable else [])
         if model_id != plain:
@@ -279,19 +277,20 @@ class MultiModelBuilder:
     """`MultiModelBuilder().add_model_with_alias("smol", Which.Plain(...)).with_default_model("smol").build()`."""
 
     def __init__(self) -> None:
-        self._models: list[dict[str, Any]] = []
+        self._models: list[tuple[dict[str, Any], bool]] = []  # each with whether its id may be spec-derived
         self._default: str | None = None
 
     def add_model(self, which: Any, in_situ_quant: str | None = None, model_id: str | None = None,
                   load: bool = True, *, pinned: bool = False, keep_alive: str | float | None = None
                   ) -> MultiModelBuilder:
-        self._models.append(_entry(model_id, which, in_situ_quant, [], load, None, pinned, keep_alive))
+        self._models.append((_entry(model_id, which, in_situ_quant, [], load, None, pinned, keep_alive),
+                             model_id is None))
         return self
 
     def add_model_with_alias(self, alias: str, which: Any, in_situ_quant: str | None = None,
                              load: bool = True, *, pinned: bool = False, keep_alive: str | float | None = None
                              ) -> MultiModelBuilder:
-        self._models.append(_entry(None, which, in_situ_quant, [alias], load, None, pinned, keep_alive))
+        self._models.append((_entry(None, which, in_situ_quant, [alias], load, None, pinned, keep_alive), True))
         return self
 
     def with_default_model(self, model: str) -> MultiModelBuilder:
