@@ -192,10 +192,11 @@ class StructuredOutputOptions(BaseModel):
     strict_objects: bool = Field(True, description="An object schema with `properties` and no "
                                  "`additionalProperties` allows no other keys (OpenAI strict mode's rule and "
                                  "xgrammar's default; JSON Schema itself allows any). Tool arguments too.")
-    max_string_length: int | None = Field(256, ge=1, description="`maxLength` for strings whose schema sets none "
-                                          "(nor `enum`, `const`, `pattern` or `format`); null: unbounded.")
-    max_array_items: int | None = Field(16, ge=1, description="`maxItems` for arrays whose schema sets none; "
-                                        "null: unbounded.")
+    max_string_length: int | None = Field(
+        256, ge=1, le=1_000_000, description="`maxLength` for strings whose schema sets none (nor `enum`, `const`, "
+        "`pattern` or `format`); null: unbounded.")
+    max_array_items: int | None = Field(
+        16, ge=1, le=1_000_000, description="`maxItems` for arrays whose schema sets none; null: unbounded.")
     free_objects: Literal["bounded", "open"] = Field(
         "bounded", description="Objects the schema leaves free (`json_object`, `{\"type\": \"object\"}`): `bounded` "
         "keys are identifiers (a letter or `_`, then letters, digits or `_`, 32 characters at most), at most "

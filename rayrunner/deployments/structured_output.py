@@ -90,22 +90,22 @@ def json_target(request: ChatCompletionRequest) -> JsonTarget | None:
     choice = forced_choice(request)
     if choice is not None and request.tools:
         parallel = choice == "required" and request.parallel_tool_calls is not False
-        schema = shaped(forced_call_schema(request.tools, choice, parallel), options)
+        schema = _shaped(forced_call_schema(request.tools, choice, parallel), options)
         return JsonTarget(schema, compact, _call_note(request, choice) if options.state_schema else None, "tools")
     fmt = request.response_format
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object" or fmt.json_schema is None:
-        return JsonTarget(shaped({"type": "object"}, options), compact)
+        return JsonTarget(_shaped({"type": "object"}, options), compact)
     schema = fmt.json_schema.schema_
-    note = _format_note(schema) if options.state_schema and not states_schema(request.messages, schema) else None
-    return JsonTarget(shaped(schema, options), compact, note)
+    note = _format_note(schema) if options.state_schema and not _states_schema(request.messages, schema) else None
+    return JsonTarget(_shaped(schema, options), compact, note)
 
 
 # ---------------------------------------------------------------- the schema the grammar enforces
 
 
-def shaped(schema: Node, options: StructuredOutputOptions) -> Node:
+def _shaped(schema: Node, options: StructuredOutputOptions) -> Node:
     """`schema` narrowed as `options` ask: objects closed, strings and arrays bounded, free-form objects bounded.
     Every instance of the result is an instance of `schema`."""
     free = _free_value(options)
@@ -197,7 +197,7 @@ def _map_schema(node: Any, fn: Callable[[Node, bool], Node], in_all_of: bool = F
 # ---------------------------------------------------------------- the schema stated to the model
 
 
-def states_schema(messages: list[ChatMessage], schema: Node) -> bool:
+def _states_schema(messages: list[ChatMessage], schema: Node) -> bool:
     """Whether a message already shows the schema or an example of it: it quotes every top-level key."""
     keys = [f'"{key}"' for key in schema.get("properties", {})]
     return bool(keys) and any(all(key in message.text() for key in keys) for message in messages)
@@ -222,7 +222,7 @@ def _call_note(request: ChatCompletionRequest, choice: Literal["required"] | Nam
     arguments' schema, unless a message quotes their keys. None when the call may be to one of several."""
     tools = request.tools or []
     wanted = [tool.function for tool in tools if choice == "required" or tool.function.name == choice.function.name]
-    if len(wanted) != 1 or states_schema(request.messages, wanted[0].parameters):
+    if len(wanted) != 1 or _states_schema(request.messages, wanted[0].parameters):
         return None
     text = _stated(wanted[0].parameters)
     return None if text is None else (f"Call {wanted[0].name}. Its arguments are a JSON object that matches this "

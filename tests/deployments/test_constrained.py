@@ -281,6 +281,8 @@ def test_a_misspelt_option_is_refused() -> None:
         _request(_schema_format(BOOK), structured_output_options={"strict": False})
     with pytest.raises(ValidationError, match="whitespace"):
         _request(_schema_format(BOOK), structured_output_options={"whitespace": "pretty"})
+    with pytest.raises(ValidationError, match="max_string_length"):
+        _request(_schema_format(BOOK), structured_output_options={"max_string_length": 10**30})
 
 
 def test_a_schema_error_names_the_field_it_came_from(grammars: Grammars) -> None:
