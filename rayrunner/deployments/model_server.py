@@ -230,15 +230,9 @@ def model_deployment(spec: ModelSpec) -> Application:
 
 def build_model_app(args: dict[str, Any]) -> Application:
     """Application builder for config files: `import_path: rayrunner.deployments.model_server:build_model_app`,
-    with the model's spec (`model_id`, `which`, `in_situ_quant`, `engine`) as `args`. Invalid `args` raise
-    RayServeException naming the field, which Serve does not retry (as `build_router_app`)."""
-    from pydantic import ValidationError
-    from ray.serve.exceptions import RayServeException
+    with the model's spec (`model_id`, `which`, `in_situ_quant`, `engine`) as `args` (invalid ones:
+    `config_check.builder_args`)."""
+    from rayrunner.config_check import builder_args
 
-    from rayrunner.config_check import describe
-
-    try:
-        spec = ModelSpec.model_validate(args)
-    except ValidationError as exc:
-        raise RayServeException(f"invalid model spec: args{describe(ModelSpec, args, exc)}") from None
+    spec = builder_args(ModelSpec, args, "model spec")
     return model_deployment(spec)

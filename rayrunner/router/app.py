@@ -17,11 +17,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve import Application
-from ray.serve.exceptions import RayServeException
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rayrunner import logs, metrics
-from rayrunner.config_check import describe
+from rayrunner.config_check import builder_args
 from rayrunner.errors import InvalidRequestError, RayRunnerError, client_error
 from rayrunner.protocol import (
     AddModelBody,
@@ -375,13 +374,6 @@ class Router:
 
 def build_router_app(args: dict[str, Any]) -> Application:
     """Application builder for config files: `import_path: rayrunner.router.app:build_router_app`, with a
-    `RegistryConfig` (models, default_model, state_path, timeouts) as `args`.
-
-    Invalid `args` raise RayServeException with one line naming the field: Serve's build task does not retry that
-    type (it retried any other exception three times, ~25 s on 2 cores, before DEPLOY_FAILED) and shows its message
-    alone as the app's status message, instead of a pydantic dump inside a traceback."""
-    try:
-        config = RegistryConfig.model_validate(args)
-    except ValidationError as exc:
-        raise RayServeException(f"invalid router config: args{describe(RegistryConfig, args, exc)}") from None
+    `RegistryConfig` (models, default_model, state_path, timeouts) as `args` (invalid ones: `builder_args`)."""
+    config = builder_args(RegistryConfig, args, "router config")
     return Router.bind(config.model_dump(mode="json"))  # type: ignore[attr-defined]
