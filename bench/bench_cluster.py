@@ -11,7 +11,7 @@ import os
 import random
 import socket
 
-from rayrunner.warm_workers import CLUSTER_ENV
+from rayrunner.runtime.warm_workers import CLUSTER_ENV
 
 _RAY_ENV = {
     "RAY_AUTH_MODE": "disabled",

@@ -1,5 +1,6 @@
-"""Decode steps in process: rayrunner's fast step (`rayrunner.deployments.fast_decode`) against transformers' forward
-on the same model and the same kind of `BatchCache`, per ISQ level and batch shape, alternating the two sides.
+"""Decode steps in process: rayrunner's fast step (`rayrunner.deployments.step.fast_decode`) against
+transformers' forward on the same model and the same kind of `BatchCache`, per ISQ level and batch shape,
+alternating the two sides.
 
 Each case prefills `rows` sequences of `context` random tokens through transformers' forward (the same for both
 sides), then times `--steps` greedy decode steps: transformers' forward (its cache appends by concatenating) or
@@ -23,9 +24,9 @@ def load(level: str) -> Any:
     """The builtin SmolLM2 loaded (and quantized) as a replica loads it, on this thread."""
     from transformers import AutoModelForCausalLM
 
-    from rayrunner.loading import load_model
-    from rayrunner.sources import SMOLLM2
-    from rayrunner.spec import build_spec
+    from rayrunner.deployments.loading import load_model
+    from rayrunner.models.sources import SMOLLM2
+    from rayrunner.models.spec import build_spec
 
     spec = build_spec(f"smollm2-{level}", {"type": "plain", "model_id": SMOLLM2},
                       in_situ_quant=None if level == "bf16" else level)
@@ -36,7 +37,7 @@ def load(level: str) -> Any:
 def decode_rate(model: Any, fast: Any, rows: int, context: int, steps: int) -> float:
     """Tok/s of `steps` greedy decode steps over `rows` sequences of `context` tokens (`fast`: None for
     transformers' forward)."""
-    from rayrunner.deployments.kv_batch import BatchCache, new_cache
+    from rayrunner.deployments.step.kv_batch import BatchCache, new_cache
 
     batch = BatchCache(new_cache(model.config), torch.zeros((rows, 0), dtype=torch.long))
     prompt = torch.randint(0, 1000, (rows, context), generator=torch.Generator().manual_seed(0))
@@ -69,7 +70,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from rayrunner.deployments.fast_decode import FastDecode
+    from rayrunner.deployments.step.fast_decode import FastDecode
 
     print(f"SmolLM2, CPU, {torch.get_num_threads()} torch threads, {args.steps} steps, median of {args.rounds}")
     print(f"{'level':6} {'rows x context':>14} {'transformers':>12} {'fast step':>10} {'ratio':>6}")

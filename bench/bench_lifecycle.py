@@ -17,7 +17,7 @@ tokenizer, one request).
 The first load of each model (cold process, first imports) is a warm-up and not counted.
 
 Each unload comes `--settle` seconds after the model's last load, as when a model serves a while: the spare worker
-that deploy left behind (rayrunner.warm_workers) has imported the model stack by then; `--settle 0` measures
+that deploy left behind (rayrunner.runtime.warm_workers) has imported the model stack by then; `--settle 0` measures
 back-to-back reloads, which start in a spare that has not imported yet.
 
 Run:  .venv/bin/python bench/bench_lifecycle.py [--cycles 3] [--isq Q8_0] [--floor] [--threads 2] [--settle 10]
@@ -43,9 +43,9 @@ from bench_cluster import start_cluster
 from ray import serve
 from transformers import AutoModelForCausalLM
 
+from rayrunner.models.sources import SMOLLM2, resolve
+from rayrunner.models.spec import model_app_name
 from rayrunner.router.app import build_router_app
-from rayrunner.sources import SMOLLM2, resolve
-from rayrunner.spec import model_app_name
 
 BASE_ID = "smollm2"
 

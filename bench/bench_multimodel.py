@@ -14,7 +14,7 @@ every model is busy across the whole window; tokens are counted by their arrival
 (2 busy) / (mean of those two alone) and (3 busy) / (mean of the three alone), with the targets of issue 26
 (>= 0.85 and >= 0.8). The client is one asyncio loop (httpx) in this process, with little work per token.
 The cases start `--settle` seconds after the last load, once the warm spare worker it leaves behind
-(`rayrunner.warm_workers`) has finished importing: otherwise the first case shares the cores with it.
+(`rayrunner.runtime.warm_workers`) has finished importing: otherwise the first case shares the cores with it.
 
 Run:  .venv/bin/python bench/bench_multimodel.py [--streams 8] [--duration 30] [--ramp 5] [--settle 10]
 It starts its own local Ray cluster (ports in 30000-32000) and shuts it down at the end.

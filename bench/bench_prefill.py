@@ -1,4 +1,5 @@
-"""Prefill of SmolLM2 in process: half-precision matmuls against float32 ones (`rayrunner.cpu_gemm`), same model.
+"""Prefill of SmolLM2 in process: half-precision matmuls against float32 ones
+(`rayrunner.quantization.cpu_gemm`), same model.
 
 On CPUs without a native bf16 GEMM, rayrunner runs a prompt's many-row matmuls in float32 (`WideLinear` for plain
 Linears, the int8 conversion path for Q8_0). This measures a prompt's prefill both ways, alternating, per ISQ level:
@@ -20,8 +21,8 @@ from typing import Any
 import torch
 from bench_decode_step import load
 
-from rayrunner import cpu_gemm
-from rayrunner.cpu_gemm import WideLinear, native_half_gemm
+from rayrunner.quantization import cpu_gemm
+from rayrunner.quantization.cpu_gemm import WideLinear, native_half_gemm
 
 
 @contextmanager

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rayrunner.models.sources import SMOLLM2, resolve
 from rayrunner.quantization import quantize_model, weight_bytes
-from rayrunner.sources import SMOLLM2, resolve
 
 # Targets from the issue: (max bytes ratio, max perplexity ratio) against bf16.
 TARGETS = {"Q4K": (0.45, 1.15), "Q8_0": (0.62, 1.01)}
@@ -175,7 +175,7 @@ def measure(folder: str, level: str, ids: torch.Tensor, noisy: bool) -> Row:
 
 async def chats(engine: Any, streams: int, tokens: int) -> float:
     """Aggregate tok/s of `streams` concurrent greedy chats of `tokens` tokens on `engine`."""
-    from rayrunner.deployments.sampling import SamplingParams
+    from rayrunner.deployments.sampling_params import SamplingParams
     from rayrunner.protocol import ChatCompletionRequest
 
     async def one(city: str) -> int:
@@ -191,9 +191,9 @@ async def chats(engine: Any, streams: int, tokens: int) -> float:
 def decode_speeds(rows: list[Row], batches: list[int], tokens: int, rounds: int) -> None:
     """Fill each row's tokens_per_second, alternating the levels within each round (after one warm-up round). Each
     level's engine is loaded for its turn and closed after it: two engines' compute threads in one process slow each
-    other down (see `rayrunner.deployments.compute_thread`), and a replica holds one."""
+    other down (see `rayrunner.deployments.step.compute_thread`), and a replica holds one."""
     from rayrunner.deployments.text_engine import TextEngine
-    from rayrunner.spec import build_spec
+    from rayrunner.models.spec import build_spec
 
     which = {"type": "plain", "model_id": SMOLLM2}
     samples: dict[tuple[str, int], list[float]] = {}

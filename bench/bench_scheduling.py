@@ -32,8 +32,8 @@ import ray
 from bench_cluster import start_cluster
 from ray import serve
 
+from rayrunner.models.sources import SMOLLM2, resolve
 from rayrunner.router.app import build_router_app
-from rayrunner.sources import SMOLLM2, resolve
 
 MODEL_ID = "smollm2"
 TOPICS = ["dragon", "castle", "robot", "pirate", "forest", "comet", "violin", "desert",
@@ -118,13 +118,13 @@ class InProcessStream:
 
     def __init__(self, threads: int) -> None:
         from rayrunner.deployments.text_engine import TextEngine
-        from rayrunner.spec import build_spec
+        from rayrunner.models.spec import build_spec
 
         self.spec = build_spec(MODEL_ID, {"type": "plain", "model_id": SMOLLM2}, None, {"torch_threads": threads})
         self.engine = TextEngine(self.spec)
 
     async def rate(self, prompt: str, max_tokens: int) -> float:
-        from rayrunner.deployments.model_server import sampling_params
+        from rayrunner.deployments.sampling_params import sampling_params
         from rayrunner.protocol import ChatCompletionRequest
 
         request = ChatCompletionRequest(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,

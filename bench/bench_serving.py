@@ -28,8 +28,8 @@ from bench_cluster import start_cluster
 from ray import serve
 
 from rayrunner.deployments.model_server import ModelServer
+from rayrunner.models.sources import SMOLLM2, resolve
 from rayrunner.router.app import build_router_app
-from rayrunner.sources import SMOLLM2, resolve
 
 MODEL_ID = "smollm2"
 # The router's access log is off (as the brief's serve.start asks). The registry deploys the model app with Serve's
@@ -154,7 +154,7 @@ def bench_hop(args: argparse.Namespace, http: httpx.Client) -> dict[str, list[fl
             samples[name].append(wall * 1000)
     # For scale: one actor round trip here. The router no longer makes one per request (it routes from a long-polled
     # copy of the registry's table), but this is the unit a hop costs at least.
-    from rayrunner.registry import NAMESPACE, REGISTRY_NAME
+    from rayrunner.registry.actor import NAMESPACE, REGISTRY_NAME
 
     registry = ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE)
     samples["resolve"] = []

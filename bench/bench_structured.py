@@ -26,13 +26,13 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from rayrunner.deployments.constrained import Grammars
-from rayrunner.deployments.sampling import SamplingParams
+from rayrunner.deployments.sampling_params import SamplingParams
+from rayrunner.deployments.step.constrained import Grammars
 from rayrunner.deployments.structured_output import json_target
 from rayrunner.deployments.text_engine import TextEngine
+from rayrunner.models.sources import SMOLLM2, resolve
+from rayrunner.models.spec import build_spec
 from rayrunner.protocol import ChatCompletionRequest
-from rayrunner.sources import SMOLLM2, resolve
-from rayrunner.spec import build_spec
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -115,7 +115,7 @@ def timed_walk(ids: list[int], walks: int, start: Callable[[], Callable[[int], N
 
 def mask_costs(walks: int) -> None:
     """Before any engine starts: torch ops from a thread other than the engine's compute thread would pay for
-    waking a second OpenMP pool (see `rayrunner.deployments.compute_thread`)."""
+    waking a second OpenMP pool (see `rayrunner.deployments.step.compute_thread`)."""
     folder = resolve(SMOLLM2).path
     tokenizer, vocab = AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder).vocab_size
     eos_ids = {tokenizer.eos_token_id}

@@ -1,4 +1,4 @@
-"""Serve's hops as gRPC channels against Ray actor calls (`rayrunner/serve_transport.py`), over real HTTP on the
+"""Serve's hops as gRPC channels against Ray actor calls (`rayrunner/runtime/transport.py`), over real HTTP on the
 builtin SmolLM2 (bf16, CPU), in alternating pairs of fresh clusters so that machine noise hits both sides alike.
 
 Each side runs in a subprocess of its own (the switch `RAYRUNNER_SERVE_GRPC` is read by the cluster's processes

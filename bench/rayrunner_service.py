@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from rayrunner.sources import SMOLLM2
+from rayrunner.models.sources import SMOLLM2
 
 BASE_ID = "smollm2"
 LOAD_TIMEOUT_S = 900.0

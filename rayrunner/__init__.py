@@ -1,6 +1,5 @@
 """rayrunner: many LLMs behind one OpenAI-compatible endpoint on Ray Serve, loaded and unloaded on demand."""
 
-from rayrunner.architectures import Architecture, EmbeddingArchitecture, MultimodalArchitecture
 from rayrunner.client import MultiModelBuilder, Runner
 from rayrunner.errors import (
     AliasConflictError,
@@ -15,8 +14,9 @@ from rayrunner.errors import (
     RayRunnerError,
     UnsupportedRequestError,
 )
+from rayrunner.models.architectures import Architecture, EmbeddingArchitecture, MultimodalArchitecture
+from rayrunner.models.which import Which
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from rayrunner.which import Which
 
 __all__ = [
     "AliasConflictError",

@@ -21,8 +21,11 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from rayrunner.deployments.core_share import node_cores
+from rayrunner.deployments.step.core_share import node_cores
 from rayrunner.errors import RayRunnerError, SpecMismatchError, unwrap
+from rayrunner.models.source_policy import SourcePolicy
+from rayrunner.models.spec import build_spec
+from rayrunner.models.which import Which
 from rayrunner.protocol import (
     DEFAULT_MODEL,
     ChatCompletionChunk,
@@ -33,10 +36,7 @@ from rayrunner.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
 )
-from rayrunner.source_policy import SourcePolicy
-from rayrunner.spec import build_spec
-from rayrunner.warm_workers import CLUSTER_ENV
-from rayrunner.which import Which
+from rayrunner.runtime.warm_workers import CLUSTER_ENV
 
 APP_NAME = "rayrunner"
 CPU_SLOTS_PER_CORE = 4  # of a cluster a Runner starts (see `_start_ray`)

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rayrunner.capacity import KeepAlive, checked_keep_alive
+from rayrunner.models.keep_alive import KeepAlive, checked_keep_alive
 from rayrunner.unsupported_fields import (
     VllmChatUnsupported,
     VllmCompletionUnsupported,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from rayrunner.warm_workers import CLUSTER_ENV
+from rayrunner.runtime.warm_workers import CLUSTER_ENV
 
 # Set before Ray is imported anywhere: no token auth, no usage stats (no network here), normal worker priority.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -104,7 +104,7 @@ def cleanup_serve() -> None:
     import ray
     from ray import serve
 
-    from rayrunner.registry import NAMESPACE, REGISTRY_NAME
+    from rayrunner.registry.actor import NAMESPACE, REGISTRY_NAME
 
     for app in list(serve.status().applications):
         serve.delete(app)

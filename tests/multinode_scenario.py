@@ -43,7 +43,7 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from rayrunner.registry import NAMESPACE, registry_name  # noqa: E402
+from rayrunner.registry.actor import NAMESPACE, registry_name  # noqa: E402
 from rayrunner.router.app import build_router_app  # noqa: E402
 
 MIB = 1024**2

@@ -11,22 +11,21 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rayrunner.capacity import (
+from rayrunner.errors import ModelTooLargeError
+from rayrunner.models.footprint import estimate_bytes
+from rayrunner.models.keep_alive import idle_deadline, parse_keep_alive
+from rayrunner.models.spec import build_spec
+from rayrunner.protocol import ChatCompletionRequest
+from rayrunner.registry.capacity import (
     EVICTED_BYTES,
     EVICTED_MODELS,
     IN_FLIGHT_TTL_S,
     InFlightBook,
     Limits,
     Occupant,
-    idle_deadline,
-    parse_keep_alive,
     plan_room,
 )
-from rayrunner.errors import ModelTooLargeError
-from rayrunner.footprint import estimate_bytes
-from rayrunner.protocol import ChatCompletionRequest
-from rayrunner.registry_state import ModelEntry
-from rayrunner.spec import build_spec
+from rayrunner.registry.state import ModelEntry
 
 
 @pytest.mark.parametrize(("value", "seconds"), [

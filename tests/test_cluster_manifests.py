@@ -18,8 +18,8 @@ import yaml
 from ray.serve import Application
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
-from rayrunner.registry_state import RegistryConfig
-from rayrunner.spec import ModelSpec
+from rayrunner.models.spec import ModelSpec
+from rayrunner.registry.config import RegistryConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "cluster"

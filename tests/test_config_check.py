@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rayrunner.config_check import APP_ARGS, ConfigError, check_serve_config
+from rayrunner.cli.config_check import APP_ARGS, ConfigError, check_serve_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "serve_config.yaml"

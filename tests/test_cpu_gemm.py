@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from rayrunner import cpu_gemm
-from rayrunner.cpu_gemm import WideLinear, native_half_gemm, wide_dtype, widen_linears
+from rayrunner.quantization import cpu_gemm
+from rayrunner.quantization.cpu_gemm import WideLinear, native_half_gemm, wide_dtype, widen_linears
 from rayrunner.quantization.int8_rows import Int8Linear
 
 

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_dashboard_query_names_a_recorded_metric() -> None:
-    recorded = set(re.findall(r'"(rayrunner_\w+)"', (ROOT / "rayrunner/metrics.py").read_text()))
+    recorded = set(re.findall(r'"(rayrunner_\w+)"', (ROOT / "rayrunner/runtime/metrics.py").read_text()))
     dashboard = json.loads((ROOT / "cluster/grafana/rayrunner.json").read_text())
     queried = {re.sub(r"_(total|bucket|sum|count)$", "", name)
                for panel in dashboard["panels"] for target in panel["targets"]

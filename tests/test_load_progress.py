@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from rayrunner import load_progress, sources
-from rayrunner.load_progress import PHASES, LoadProgress
+from rayrunner.models import load_progress, sources
+from rayrunner.models.load_progress import PHASES, LoadProgress
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rayrunner import metrics
 from rayrunner.deployments.engine import GenerationEvent
+from rayrunner.runtime import metrics
 
 
 def test_a_generation_without_completion_tokens_is_recorded() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rayrunner.errors import InvalidSpecError
-from rayrunner.placement import missing, replica_demand, unplaceable_reason
-from rayrunner.spec import EngineSettings, build_spec
+from rayrunner.models.spec import EngineSettings, build_spec
+from rayrunner.registry.placement import missing, replica_demand, unplaceable_reason
 
 GIB = 1024**3
 HEAD = {"CPU": 4.0, "memory": 8.0 * GIB, "node:__internal_head__": 1.0}

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from rayrunner.ready_batches import ready_batches
+from rayrunner.runtime.ready_batches import ready_batches
 
 
 async def produced(count: int, pause_s: float = 0.0, error: Exception | None = None) -> AsyncIterator[int]:

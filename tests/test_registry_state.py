@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from rayrunner.errors import AliasConflictError, ModelExistsError, ModelNotFoundError
-from rayrunner.registry_state import ModelEntry, RegistryConfig, RegistryState
+from rayrunner.registry.config import RegistryConfig
+from rayrunner.registry.state import ModelEntry, RegistryState
 
 TEXT = {"type": "plain", "model_id": "smollm2-135m-instruct"}
 EMBEDDING = {"type": "embedding", "model_id": "all-minilm-l6-v2"}

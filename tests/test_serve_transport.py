@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from rayrunner import serve_transport
+from rayrunner.runtime import transport as serve_transport
 
 
 class _Handle:
@@ -50,7 +50,7 @@ def test_switched_off_keeps_actor_calls(reloaded: Any) -> None:
 def test_the_shell_scripts_export_the_cluster_env(reloaded: Any, switch: str | None) -> None:
     """scripts/cluster_env.sh (sourced by install.sh and the cluster scripts) sets the environment the clusters
     rayrunner starts itself get (`warm_workers.CLUSTER_ENV`), the switch included."""
-    from rayrunner import warm_workers
+    from rayrunner.runtime import warm_workers
 
     module = reloaded(switch)
     expected = {**warm_workers.CLUSTER_ENV, **module.CLUSTER_ENV}  # the transport's part as `switch` makes it

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from rayrunner.errors import PermissionDeniedError
-from rayrunner.source_policy import SourcePolicy
-from rayrunner.which import GGUF, Embedding, Lora, Plain
+from rayrunner.models.source_policy import SourcePolicy
+from rayrunner.models.which import GGUF, Embedding, Lora, Plain
 
 
 def test_the_default_allows_builtin_models_only(tmp_path: Path) -> None:

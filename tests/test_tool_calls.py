@@ -10,9 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from rayrunner.errors import InvalidRequestError
-from rayrunner.protocol import NamedToolChoice, Tool, ToolCallDelta
-from rayrunner.tool_calls import (
+from rayrunner.deployments.tool_calls import (
     MAX_FORCED_CALLS,
     ParsedCall,
     ToolCallStream,
@@ -22,6 +20,8 @@ from rayrunner.tool_calls import (
     parse_tool_calls,
     tool_format,
 )
+from rayrunner.errors import InvalidRequestError
+from rayrunner.protocol import NamedToolChoice, Tool, ToolCallDelta
 
 H, L, M = ToolFormat.HERMES, ToolFormat.LLAMA, ToolFormat.MISTRAL
 WEATHER = {"city": "Paris", "unit": "c"}
@@ -162,7 +162,7 @@ def test_tool_format_from_the_chat_template(smollm2_template: str) -> None:
 def smollm2_template() -> str:
     from transformers import AutoTokenizer
 
-    from rayrunner.sources import SMOLLM2, resolve
+    from rayrunner.models.sources import SMOLLM2, resolve
 
     return str(AutoTokenizer.from_pretrained(resolve(SMOLLM2).path).chat_template)
 

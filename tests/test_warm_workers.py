@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from rayrunner import warm_workers
-from rayrunner.warm_workers import WarmSpares
+from rayrunner.runtime import warm_workers
+from rayrunner.runtime.warm_workers import WarmSpares
 
 
 @pytest.fixture
@@ -108,12 +108,12 @@ def test_a_model_a_config_deployed_gets_a_spare_unless_one_waits(started: list[s
 
 
 def test_a_replica_worker_preloads_the_model_server() -> None:
-    """The import a model replica's worker runs as it starts (rayrunner.worker_preload with RAYRUNNER_PRELOAD=1)
+    """The import a model replica's worker runs as it starts (rayrunner.runtime.preload with RAYRUNNER_PRELOAD=1)
     gets through to the model server: rayrunner's __init__ imports warm_workers, which once imported worker_preload
     back, so the model server's import of warm_workers failed half-way and the spares waited without it. What it
     imported is frozen out of later garbage collections (Serve's full collection at a replica's start walked it),
     and transformers' conversion mapping, built at a process's first load, is built already."""
-    code = ("import gc, sys, rayrunner.worker_preload; "
+    code = ("import gc, sys, rayrunner.runtime.preload; "
             "assert 'rayrunner.deployments.model_server' in sys.modules, 'model server not preloaded'; "
             "assert gc.get_freeze_count() > 100_000, gc.get_freeze_count(); "
             "import transformers.conversion_mapping as c; assert c._checkpoint_conversion_mapping_cache")
@@ -127,7 +127,7 @@ def test_the_preload_imports_at_low_priority_and_gives_it_back() -> None:
     """While a spare imports it yields the CPU to serving replicas; once done, it and every thread started meanwhile
     (an import may start native threads) are back at its own priority (a replica must never run slower than its
     peers). Where the process could not raise it back, nothing changes."""
-    from rayrunner.worker_preload import _may_set_niceness, lower_priority
+    from rayrunner.runtime.preload import _may_set_niceness, lower_priority
 
     def niceness(thread_id: int) -> int:
         return int(Path(f"/proc/self/task/{thread_id}/stat").read_text().rsplit(")", 1)[1].split()[16])

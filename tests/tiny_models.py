@@ -26,7 +26,7 @@ from transformers import (
     LlavaProcessor,
 )
 
-from rayrunner.sources import SMOLLM2, resolve
+from rayrunner.models.sources import SMOLLM2, resolve
 
 IMAGE_TOKEN = "<image>"
 ODD_HEAD_SIZE = 49_153  # SmolLM2's 49,152 tokens plus the added `<image>`

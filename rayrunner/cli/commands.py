@@ -21,10 +21,10 @@ import typer
 from rich.console import Console
 
 from rayrunner.cli.api import DEFAULT_URL, Api, CliError
+from rayrunner.cli.config_check import ConfigError, check_serve_config
 from rayrunner.cli.conversation import Conversation, Sampling, chat_loop, run_once
 from rayrunner.cli.tables import print_models
-from rayrunner.config_check import ConfigError, check_serve_config
-from rayrunner.warm_workers import CLUSTER_ENV
+from rayrunner.runtime.warm_workers import CLUSTER_ENV
 
 app = typer.Typer(
     name="rayrunner",
@@ -37,7 +37,7 @@ P = ParamSpec("P")
 
 DEFAULT_CONFIG = Path("serve_config.yaml")
 # As scripts/install.sh sets them: token auth off for the cluster and its drivers alike, no usage stats, warm
-# spare workers (rayrunner.warm_workers).
+# spare workers (rayrunner.runtime.warm_workers).
 SERVE_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", **CLUSTER_ENV}
 WIDE = 1000  # a table written to a pipe or file is not wrapped to 80 columns
 

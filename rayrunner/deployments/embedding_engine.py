@@ -16,11 +16,11 @@ from typing import Any, Literal, TypeVar
 import torch
 from transformers import AutoModel
 
-from rayrunner.deployments.compute_thread import ComputeThread
 from rayrunner.deployments.engine import EmbeddingResult, Engine, EngineInfo, describe
+from rayrunner.deployments.loading import load_model
+from rayrunner.deployments.step.compute_thread import ComputeThread
 from rayrunner.errors import ModelLoadError
-from rayrunner.loading import load_model
-from rayrunner.spec import ModelSpec
+from rayrunner.models.spec import ModelSpec
 
 T = TypeVar("T")
 

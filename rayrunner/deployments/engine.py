@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rayrunner.deployments.sampling import SamplingParams
 from rayrunner.errors import InvalidRequestError, UnsupportedRequestError
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
+    from rayrunner.deployments.loading import Loaded
+    from rayrunner.deployments.sampling_params import SamplingParams
     from rayrunner.deployments.tool_replies import ToolReplies
-    from rayrunner.loading import Loaded
 
 T = TypeVar("T")
 

@@ -17,7 +17,7 @@ import httpx
 from PIL import Image
 
 from rayrunner.errors import InvalidRequestError
-from rayrunner.spec import EngineSettings
+from rayrunner.models.spec import EngineSettings
 
 _PARAM = "messages"
 

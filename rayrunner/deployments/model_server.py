@@ -10,94 +10,50 @@ import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import ray
 from ray import serve
 from ray.serve import Application
 
-from rayrunner import logs, metrics
 from rayrunner.deployments import responses
 from rayrunner.deployments.engine import Engine, GenerationEvent
-from rayrunner.deployments.engine_slot import EngineSlot
-from rayrunner.deployments.sampling import SamplingParams
+from rayrunner.deployments.engine_factory import EngineFactory, build_engine
+from rayrunner.deployments.sampling_params import sampling_params
 from rayrunner.errors import InvalidRequestError
-from rayrunner.load_progress import for_model
-from rayrunner.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields
-from rayrunner.ready_batches import ready_batches
-from rayrunner.spec import EngineSettings, ModelSpec
-from rayrunner.warm_workers import REPLICA_RUNTIME_ENV
+from rayrunner.models.load_progress import for_model
+from rayrunner.models.spec import EngineSettings, ModelSpec
+from rayrunner.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from rayrunner.runtime import logs, metrics
+from rayrunner.runtime.ready_batches import ready_batches
+from rayrunner.runtime.warm_workers import REPLICA_RUNTIME_ENV
+
+if TYPE_CHECKING:
+    from rayrunner.deployments.engine_slot import EngineSlot
 
 DEPLOYMENT = "ModelServer"  # the deployment's name inside every model app
-
-
-def build_engine(spec: ModelSpec) -> Engine:
-    """The engine for the spec's kind (imports are local: a replica loads only what its model needs)."""
-    if spec.kind == "embedding":
-        from rayrunner.deployments.embedding_engine import EmbeddingEngine
-
-        return EmbeddingEngine(spec)
-    if spec.kind == "multimodal":
-        from rayrunner.deployments.multimodal_engine import MultimodalEngine
-
-        return MultimodalEngine(spec)
-    from rayrunner.deployments.text_engine import TextEngine
-
-    return TextEngine(spec)
-
-
-def sampling_params(request: SamplingFields, settings: EngineSettings) -> SamplingParams:
-    """Resolved settings: unset fields take their neutral value; unset or zero temperature means greedy."""
-    max_tokens = request.max_tokens if request.max_tokens is not None else settings.default_max_tokens
-    if request.min_tokens > max_tokens:
-        raise InvalidRequestError(f"min_tokens is {request.min_tokens}, more than max_tokens ({max_tokens})",
-                                  param="min_tokens")
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=request.temperature or 0.0,
-        top_p=request.top_p if request.top_p is not None else 1.0,
-        top_k=request.top_k or 0,
-        min_p=request.min_p or 0.0,
-        stop=request.stop_list(),
-        stop_token_ids=list(request.stop_token_ids or []),
-        seed=request.seed,
-        presence_penalty=request.presence_penalty or 0.0,
-        frequency_penalty=request.frequency_penalty or 0.0,
-        repetition_penalty=request.repetition_penalty or 1.0,
-        logit_bias=dict(request.logit_bias or {}),
-        n=request.n or 1,
-        min_tokens=request.min_tokens,
-        ignore_eos=request.ignore_eos,
-        include_stop_str_in_output=request.include_stop_str_in_output,
-        skip_special_tokens=request.skip_special_tokens,
-        **_logprob_settings(request),
-    )
-
-
-def _logprob_settings(request: SamplingFields) -> dict[str, Any]:
-    """Chat: `logprobs` + `top_logprobs`; completions: `logprobs` (the alternatives' count) and `echo`."""
-    if isinstance(request, ChatCompletionRequest):
-        return {"logprobs": (request.top_logprobs or 0) if request.logprobs else None}
-    if isinstance(request, CompletionRequest):
-        return {"logprobs": request.logprobs, "prompt_logprobs": bool(request.echo) and request.logprobs is not None}
-    return {}
 
 
 class ModelServer:
     """Serve replica class: constructed with a spec dict, holds the engine for the replica's lifetime."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: dict[str, Any], engine_factory: EngineFactory = build_engine) -> None:
+        # The engine stack (torch) is imported here, in the replica: the registry and the routers import this module
+        # to deploy and call it, and stay free of torch.
+        from rayrunner.deployments.engine_slot import EngineSlot
+
         logs.to_replica_log()
         self.spec = ModelSpec.model_validate(spec)
+        self.engine_factory = engine_factory
         _set_torch_threads(self.spec.engine)
-        self.slot = EngineSlot(self._build_engine, self.spec.app_name)
+        self.slot: EngineSlot = EngineSlot(self._build_engine, self.spec.app_name)
         self.started_at = time.time()
 
     def _build_engine(self) -> Engine:
         """The engine, built at start (and again by a wake whose parked weights are lost); the load progress it
         reported ends at `ready`."""
-        engine = build_engine(self.spec)
+        engine = self.engine_factory(self.spec)
         for_model(self.spec.app_name, self.spec.model_id).ready()
         return engine
 
@@ -137,7 +93,7 @@ class ModelServer:
                 yield [chunk.model_dump(exclude_none=True) for chunk in batch]
 
     async def _measured(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
-        """The engine's events, each finished choice's figures recorded (`rayrunner.metrics.generation`)."""
+        """The engine's events, each finished choice's figures recorded (`rayrunner.runtime.metrics.generation`)."""
         async for event in events:
             if event.finish_reason is not None:
                 metrics.generation(self.spec.model_id, event)
@@ -221,7 +177,7 @@ def model_deployment(spec: ModelSpec) -> Application:
             graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
             graceful_shutdown_wait_loop_s=0.5,
             max_constructor_retry_count=1,  # a broken model does not heal by retrying; fail fast instead
-            # RAYRUNNER_PRELOAD: the worker imports the model stack as it starts (see rayrunner.warm_workers)
+            # RAYRUNNER_PRELOAD: the worker imports the model stack as it starts (see rayrunner.runtime.warm_workers)
             ray_actor_options={**settings.ray_actor_options(), "runtime_env": REPLICA_RUNTIME_ENV},
         )(ModelServer)
         .bind(spec.model_dump(mode="json"))
@@ -231,8 +187,8 @@ def model_deployment(spec: ModelSpec) -> Application:
 def build_model_app(args: dict[str, Any]) -> Application:
     """Application builder for config files: `import_path: rayrunner.deployments.model_server:build_model_app`,
     with the model's spec (`model_id`, `which`, `in_situ_quant`, `engine`) as `args` (invalid ones:
-    `config_check.builder_args`)."""
-    from rayrunner.config_check import builder_args
+    `app_args.builder_args`)."""
+    from rayrunner.runtime.app_args import builder_args
 
     spec = builder_args(ModelSpec, args, "model spec")
     return model_deployment(spec)

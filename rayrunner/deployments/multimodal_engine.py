@@ -15,18 +15,18 @@ from typing import Any, TypeVar
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from rayrunner.deployments.compute_thread import ComputeThread, run_single_threaded
-from rayrunner.deployments.constrained import Grammars
-from rayrunner.deployments.detokenizer import Detokenizer
 from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, bounded_max_tokens, describe
 from rayrunner.deployments.images import load_images
-from rayrunner.deployments.sampling import SamplingParams
-from rayrunner.deployments.scheduler import StepScheduler, scheduler_limits
-from rayrunner.deployments.sequence import stop_ids
+from rayrunner.deployments.loading import load_model
+from rayrunner.deployments.sampling_params import SamplingParams
+from rayrunner.deployments.step.compute_thread import ComputeThread, run_single_threaded
+from rayrunner.deployments.step.constrained import Grammars
+from rayrunner.deployments.step.detokenizer import Detokenizer
+from rayrunner.deployments.step.scheduler import StepScheduler, scheduler_limits
+from rayrunner.deployments.step.sequence import stop_ids
 from rayrunner.deployments.structured_output import json_target
-from rayrunner.loading import load_model
+from rayrunner.models.spec import ModelSpec
 from rayrunner.protocol import ChatCompletionRequest, ChatMessage, ImagePart
-from rayrunner.spec import ModelSpec
 
 Conversation = list[dict[str, Any]]
 T = TypeVar("T")

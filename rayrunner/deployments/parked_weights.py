@@ -33,8 +33,8 @@ import psutil
 import torch
 from torch import nn
 
+from rayrunner.models.sources import cache_dir
 from rayrunner.quantization.weights import weight_bytes
-from rayrunner.sources import cache_dir
 
 logger = logging.getLogger(__name__)
 

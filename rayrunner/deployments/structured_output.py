@@ -53,9 +53,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rayrunner.deployments.tool_calls import forced_call_schema
 from rayrunner.deployments.tool_replies import forced_choice
 from rayrunner.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, StructuredOutputOptions
-from rayrunner.tool_calls import forced_call_schema
 
 # Keys whose value is one subschema, a list of them, or a map of names to them: everything else is data (`enum`,
 # `const`, `default`, `required`, ...) and is never rewritten.

@@ -13,22 +13,22 @@ from typing import TypeVar
 from transformers import AutoModelForCausalLM
 
 from rayrunner.deployments.chat_prompt import chat_template_text, render_chat
-from rayrunner.deployments.compute_thread import ComputeThread
-from rayrunner.deployments.constrained import Grammars
-from rayrunner.deployments.detokenizer import Detokenizer, special_ids
 from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, bounded_max_tokens, describe
-from rayrunner.deployments.lora import LoraAdapters, adapter_folder
-from rayrunner.deployments.sampling import LogitsProcessor, SamplingParams
-from rayrunner.deployments.scheduler import StepScheduler, scheduler_limits
-from rayrunner.deployments.sequence import stop_ids
+from rayrunner.deployments.loading import Loaded, load_model
+from rayrunner.deployments.sampling_params import LogitsProcessor, SamplingParams
+from rayrunner.deployments.step.compute_thread import ComputeThread
+from rayrunner.deployments.step.constrained import Grammars
+from rayrunner.deployments.step.detokenizer import Detokenizer, special_ids
+from rayrunner.deployments.step.lora import LoraAdapters, adapter_folder
+from rayrunner.deployments.step.scheduler import StepScheduler, scheduler_limits
+from rayrunner.deployments.step.sequence import stop_ids
 from rayrunner.deployments.structured_output import JsonTarget, json_target
+from rayrunner.deployments.tool_calls import markers, tool_format
 from rayrunner.deployments.tool_replies import ToolReplies
 from rayrunner.errors import InvalidRequestError, UnsupportedRequestError
-from rayrunner.loading import Loaded, load_model
+from rayrunner.models.spec import ModelSpec
+from rayrunner.models.which import Lora
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
-from rayrunner.spec import ModelSpec
-from rayrunner.tool_calls import markers, tool_format
-from rayrunner.which import Lora
 
 T = TypeVar("T")
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rayrunner.protocol import ChatCompletionRequest, Delta, NamedToolChoice, ToolCallDelta
-from rayrunner.tool_calls import (
+from rayrunner.deployments.tool_calls import (
     ParsedCall,
     Piece,
     ToolCallStream,
@@ -15,6 +14,7 @@ from rayrunner.tool_calls import (
     parse_forced_calls,
     parse_tool_calls,
 )
+from rayrunner.protocol import ChatCompletionRequest, Delta, NamedToolChoice, ToolCallDelta
 
 
 def forced_choice(request: ChatCompletionRequest) -> Literal["required"] | NamedToolChoice | None:

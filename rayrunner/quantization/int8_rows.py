@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rayrunner.cpu_gemm import wide_dtype
+from rayrunner.quantization.cpu_gemm import wide_dtype
 
 INT8_MAX = 127
 KERNEL_MAX_ROWS = 16  # up to this many rows take the int8 kernel (see the module docstring)

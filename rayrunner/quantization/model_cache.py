@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rayrunner.sources import cache_dir
+from rayrunner.models.sources import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,6 @@ from ray import serve
 from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rayrunner import logs, metrics
-from rayrunner.config_check import builder_args
 from rayrunner.errors import InvalidRequestError, RayRunnerError, client_error
 from rayrunner.protocol import (
     AddModelBody,
@@ -32,13 +30,15 @@ from rayrunner.protocol import (
     ModelIdBody,
     UnloadBody,
 )
-from rayrunner.ready_batches import ready_batches
-from rayrunner.registry_state import RegistryConfig
+from rayrunner.registry.config import RegistryConfig
 from rayrunner.router import cards, timeouts
 from rayrunner.router.gate import Gate
 from rayrunner.router.responses_api import ResponsesRequest, event_frames, stream_events, to_chat_request, to_response
 from rayrunner.router.service import _GENERATES, RouterService
-from rayrunner.serve_transport import REPLICA_ENV
+from rayrunner.runtime import logs, metrics
+from rayrunner.runtime.app_args import builder_args
+from rayrunner.runtime.ready_batches import ready_batches
+from rayrunner.runtime.transport import REPLICA_ENV
 
 B = TypeVar("B", bound=BaseModel)
 # "default" documents the error shape of every route (and keeps FastAPI from advertising a 422 it never sends);

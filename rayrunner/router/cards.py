@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rayrunner.models.spec import build_spec
 from rayrunner.protocol import AddModelBody
-from rayrunner.spec import build_spec
 
 
 def model_object(card: dict[str, Any]) -> dict[str, Any]:

@@ -13,57 +13,18 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 from typing import Any, ClassVar
-
-from pydantic import BaseModel, ConfigDict, Field
 
 from rayrunner.errors import (
     AuthenticationError,
-    InvalidRequestError,
     PermissionDeniedError,
     RayRunnerError,
     RequestTooLargeError,
 )
+from rayrunner.registry.config import ApiKeys, RequestLimits
 
 _OPEN_PATHS = {"/health", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
 _READ_ONLY_ADMIN = {"/v1/models/status"}
-
-
-class ApiKeys(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    api_keys: list[str] = Field(default_factory=list, description="Keys for the inference routes (and reads).")
-    admin_api_keys: list[str] = Field(default_factory=list, description="Keys for the admin routes (and all).")
-
-    def with_environment(self) -> ApiKeys:
-        """These keys plus `RAYRUNNER_API_KEYS` / `RAYRUNNER_ADMIN_API_KEYS` (comma-separated)."""
-        return ApiKeys(api_keys=self.api_keys + _env_keys("RAYRUNNER_API_KEYS"),
-                       admin_api_keys=self.admin_api_keys + _env_keys("RAYRUNNER_ADMIN_API_KEYS"))
-
-
-class RequestLimits(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    max_body_bytes: int = Field(32 * 2**20, ge=1024, description="Largest request body (413 past it).")
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens one request may generate: a larger "
-                                   "`max_tokens` is a 400, an unset one gets this (default: no limit).")
-    request_timeout_s: float | None = Field(None, gt=0, description="Longest a request may run; past it, a 408 "
-                                            "(a stream ends with that error) and its work is cancelled.")
-
-    def bounded(self, body: dict[str, Any]) -> dict[str, Any]:
-        """A generation body within `max_tokens`: refused above it, given it when it sets none."""
-        if self.max_tokens is None:
-            return body
-        asked = body.get("max_tokens")
-        if asked is None:
-            return {**body, "max_tokens": self.max_tokens}
-        if asked > self.max_tokens:
-            raise InvalidRequestError(f"max_tokens: {asked} is more than this service allows per request "
-                                      f"({self.max_tokens})", param="max_tokens")
-        return body
-
-
-def _env_keys(name: str) -> list[str]:
-    return [key.strip() for key in os.environ.get(name, "").split(",") if key.strip()]
 
 
 def _known(key: str | None, keys: list[str]) -> bool:

@@ -15,13 +15,13 @@ from typing import Any, TypeVar
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from rayrunner import model_apps
 from rayrunner.errors import UnsupportedRequestError, client_error
-from rayrunner.registry import get_registry
-from rayrunner.registry_state import RegistryConfig
+from rayrunner.registry import model_apps
+from rayrunner.registry.actor import get_registry
+from rayrunner.registry.config import RegistryConfig
 from rayrunner.router.routes import RoutingTable
 from rayrunner.router.usage import UsageTracker
-from rayrunner.serve_transport import direct
+from rayrunner.runtime.transport import direct
 
 T = TypeVar("T")
 

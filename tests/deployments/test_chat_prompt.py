@@ -11,10 +11,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from rayrunner.deployments.chat_prompt import chat_template_text, render_chat, supports_tools
+from rayrunner.deployments.tool_calls import ToolFormat, parse_tool_calls, tool_format
 from rayrunner.errors import InvalidRequestError
+from rayrunner.models.sources import SMOLLM2, resolve
 from rayrunner.protocol import ChatMessage, Tool
-from rayrunner.sources import SMOLLM2, resolve
-from rayrunner.tool_calls import ToolFormat, parse_tool_calls, tool_format
 
 WEATHER = Tool.model_validate({"function": {
     "name": "weather", "description": "Current weather in a city.",

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from rayrunner.deployments import responses
-from rayrunner.deployments.model_server import sampling_params
+from rayrunner.deployments.sampling_params import sampling_params
 from rayrunner.deployments.text_engine import TextEngine
 from rayrunner.errors import InvalidRequestError
+from rayrunner.models.spec import build_spec
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
-from rayrunner.spec import build_spec
 
 QUESTION = [{"role": "user", "content": "Name a color."}]
 

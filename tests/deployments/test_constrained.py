@@ -17,13 +17,13 @@ import torch
 from pydantic import ValidationError
 
 from rayrunner.deployments.chat_prompt import render_chat
-from rayrunner.deployments.constrained import Grammars
-from rayrunner.deployments.sampling import SamplingParams
+from rayrunner.deployments.sampling_params import SamplingParams
+from rayrunner.deployments.step.constrained import Grammars
 from rayrunner.deployments.structured_output import json_target
 from rayrunner.deployments.text_engine import TextEngine
 from rayrunner.errors import InvalidRequestError
+from rayrunner.models.spec import build_spec
 from rayrunner.protocol import ChatCompletionRequest
-from rayrunner.spec import build_spec
 
 # Bounded on purpose (maxLength, maxItems, integer bounds, few keys): a reply that runs out of max_tokens is cut
 # mid-JSON, so the schema must always fit in the engine tests' 120 tokens (replies here take ~40-70).

@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from rayrunner.deployments import core_share
-from rayrunner.deployments.core_share import CoreShare
+from rayrunner.deployments.step import core_share
+from rayrunner.deployments.step.core_share import CoreShare
 
 
 def recount(*shares: CoreShare) -> list[int]:
@@ -54,7 +54,7 @@ def test_stale_leases_count_as_idle_and_dead_engines_leases_are_swept(tmp_path: 
 SHARER = """
 import sys, time
 from pathlib import Path
-from rayrunner.deployments.core_share import CoreShare
+from rayrunner.deployments.step.core_share import CoreShare
 share = CoreShare(cores=int(sys.argv[2]), folder=Path(sys.argv[1]))
 share.working()
 print("started", flush=True)

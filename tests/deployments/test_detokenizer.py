@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from rayrunner.deployments.detokenizer import Detokenizer
-from rayrunner.sources import SMOLLM2, resolve
+from rayrunner.deployments.step.detokenizer import Detokenizer
+from rayrunner.models.sources import SMOLLM2, resolve
 
 
 @pytest.fixture(scope="module")

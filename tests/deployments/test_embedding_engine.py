@@ -12,8 +12,8 @@ import torch
 from rayrunner.deployments.embedding_engine import EmbeddingEngine, Pooling, pool, read_pooling
 from rayrunner.deployments.engine import SamplingParams
 from rayrunner.errors import ModelLoadError, UnsupportedRequestError
+from rayrunner.models.spec import build_spec
 from rayrunner.protocol import ChatCompletionRequest
-from rayrunner.spec import build_spec
 
 
 @pytest.fixture(scope="module")

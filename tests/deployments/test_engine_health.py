@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from rayrunner.deployments import scheduler as scheduler_module
 from rayrunner.deployments.model_server import ModelServer
-from rayrunner.spec import build_spec
+from rayrunner.deployments.step import scheduler as scheduler_module
+from rayrunner.models.spec import build_spec
 
 ASK = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

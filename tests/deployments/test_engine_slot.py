@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from rayrunner.deployments.model_server import ModelServer
-from rayrunner.spec import build_spec
+from rayrunner.models.spec import build_spec
 
 ASK = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12}
 

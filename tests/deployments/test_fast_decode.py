@@ -17,9 +17,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from rayrunner.deployments.fast_decode import SHARED_QDATA, SHARED_SCALE, FastDecode
-from rayrunner.deployments.kv_batch import BatchCache, new_cache
 from rayrunner.deployments.parked_weights import ParkedWeights
+from rayrunner.deployments.step.fast_decode import SHARED_QDATA, SHARED_SCALE, FastDecode
+from rayrunner.deployments.step.kv_batch import BatchCache, new_cache
 from rayrunner.quantization import quantize_model, weight_bytes
 from tests.tiny_models import build_tiny_llava
 

@@ -14,7 +14,7 @@ from PIL import Image
 
 from rayrunner.deployments.images import load_image, load_images
 from rayrunner.errors import InvalidRequestError
-from rayrunner.spec import EngineSettings
+from rayrunner.models.spec import EngineSettings
 from tests.tiny_models import image_data_url
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig
 
-from rayrunner.deployments.kv_batch import BatchCache, new_cache
+from rayrunner.deployments.step.kv_batch import BatchCache, new_cache
 
 CONFIG = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 

@@ -15,15 +15,15 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from rayrunner.deployments.lora import LoraAdapters, adapter_folder
 from rayrunner.deployments.model_server import _request_adapter
-from rayrunner.deployments.sampling import SamplingParams
+from rayrunner.deployments.sampling_params import SamplingParams
+from rayrunner.deployments.step.lora import LoraAdapters, adapter_folder
 from rayrunner.deployments.text_engine import TextEngine
 from rayrunner.errors import InvalidRequestError, ModelLoadError
+from rayrunner.models.sources import SMOLLM2, resolve
+from rayrunner.models.spec import build_spec
+from rayrunner.models.which import Which
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
-from rayrunner.sources import SMOLLM2, resolve
-from rayrunner.spec import build_spec
-from rayrunner.which import Which
 
 PROMPTS = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea."]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from rayrunner.deployments.engine import bounded_max_tokens
-from rayrunner.deployments.model_server import sampling_params
+from rayrunner.deployments.sampling_params import sampling_params
 from rayrunner.errors import InvalidRequestError
+from rayrunner.models.spec import EngineSettings
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
-from rayrunner.spec import EngineSettings
 
 
 def test_a_reply_is_cut_where_the_context_ends() -> None:

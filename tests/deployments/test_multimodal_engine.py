@@ -12,12 +12,12 @@ import pytest
 from PIL import Image
 from safetensors.torch import load_file
 
-from rayrunner.deployments.detokenizer import StopFilter
 from rayrunner.deployments.engine import GenerationEvent, SamplingParams
 from rayrunner.deployments.multimodal_engine import MultimodalEngine, to_conversation
+from rayrunner.deployments.step.detokenizer import StopFilter
 from rayrunner.errors import InvalidRequestError
+from rayrunner.models.spec import build_spec
 from rayrunner.protocol import ChatCompletionRequest, ChatMessage
-from rayrunner.spec import build_spec
 from tests.tiny_models import build_tiny_llava, image_data_url
 
 RED = image_data_url(Image.new("RGB", (48, 40), (255, 0, 0)))

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from rayrunner.deployments.sampling import SamplingParams, SamplingRow, logprobs_of, new_generator, sample
+from rayrunner.deployments.sampling_params import SamplingParams
+from rayrunner.deployments.step.sampling import SamplingRow, logits_processors, logprobs_of, new_generator, sample
 
 VOCAB = 50
 
 
 def _row(prompt: list[int] | None = None, output: list[int] | None = None, **settings: object) -> SamplingRow:
     params = SamplingParams(max_tokens=8, **settings)  # type: ignore[arg-type]
-    return SamplingRow(params, prompt or [], output or [], params.processors(),
+    return SamplingRow(params, prompt or [], output or [], logits_processors(params),
                        new_generator(params, torch.device("cpu")))
 
 
@@ -140,7 +141,7 @@ def test_min_tokens_masks_the_ending_ids_until_enough_are_out() -> None:
     after = [int(t) for t in logits[0].topk(3).indices[2:]]
 
     def pick(output: list[int]) -> int:
-        row = SamplingRow(early, [], output, early.processors({eos}), None)
+        row = SamplingRow(early, [], output, logits_processors(early, {eos}), None)
         return sample(logits.clone(), [row])[0]
 
     assert pick([]) == pick([5, 6]) == after[0]  # 0 and 2 tokens out: neither may end the reply
@@ -152,4 +153,4 @@ def test_min_tokens_lets_eos_through_when_nothing_else_is_allowed() -> None:
     params = SamplingParams(max_tokens=8, min_tokens=5)
     logits = torch.zeros(1, VOCAB)
     logits[0, 1:] = float("-inf")
-    assert sample(logits, [SamplingRow(params, [], [], params.processors({0}), None)]) == [0]
+    assert sample(logits, [SamplingRow(params, [], [], logits_processors(params, {0}), None)]) == [0]

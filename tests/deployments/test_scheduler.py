@@ -13,15 +13,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rayrunner.deployments import responses
-from rayrunner.deployments.detokenizer import Detokenizer
-from rayrunner.deployments.model_server import sampling_params
-from rayrunner.deployments.sampling import SamplingParams
-from rayrunner.deployments.scheduler import SchedulerLimits, StepScheduler
-from rayrunner.deployments.sequence import Sequence
+from rayrunner.deployments.sampling_params import SamplingParams, sampling_params
+from rayrunner.deployments.step.detokenizer import Detokenizer
+from rayrunner.deployments.step.scheduler import SchedulerLimits, StepScheduler
+from rayrunner.deployments.step.sequence import Sequence
 from rayrunner.deployments.text_engine import TextEngine
 from rayrunner.errors import ServerOverloadedError
+from rayrunner.models.spec import build_spec
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
-from rayrunner.spec import build_spec
 
 STORIES = [f"Write a short story about a {w}." for w in ["cat", "dog", "bird", "fish", "tree", "car", "boat", "lamp"]]
 

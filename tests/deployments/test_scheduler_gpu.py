@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rayrunner.deployments.detokenizer import Detokenizer
-from rayrunner.deployments.sampling import SamplingParams
-from rayrunner.deployments.scheduler import SchedulerLimits, StepScheduler
-from rayrunner.deployments.sequence import Sequence
+from rayrunner.deployments.sampling_params import SamplingParams
+from rayrunner.deployments.step.detokenizer import Detokenizer
+from rayrunner.deployments.step.scheduler import SchedulerLimits, StepScheduler
+from rayrunner.deployments.step.sequence import Sequence
 from rayrunner.deployments.text_engine import TextEngine
+from rayrunner.models.spec import build_spec
 from rayrunner.protocol import ChatCompletionRequest
-from rayrunner.spec import build_spec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -17,11 +17,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rayrunner.deployments import responses
-from rayrunner.deployments.model_server import sampling_params
-from rayrunner.deployments.sampling import LogitsProcessor
+from rayrunner.deployments.sampling_params import LogitsProcessor, sampling_params
 from rayrunner.deployments.text_engine import TextEngine
+from rayrunner.models.spec import build_spec
 from rayrunner.protocol import ChatCompletionRequest
-from rayrunner.spec import build_spec
 
 MARKER = "[TOOL_CALLS]"
 # Mistral's layout, reduced: tools offered before the last user turn, calls written after `[TOOL_CALLS]`.

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
+from rayrunner.deployments.tool_calls import ToolFormat
 from rayrunner.deployments.tool_replies import ToolReplies
 from rayrunner.protocol import ChatCompletionRequest
-from rayrunner.tool_calls import ToolFormat
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 HERMES = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

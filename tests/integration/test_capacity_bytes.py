@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from rayrunner.footprint import estimate_bytes
-from rayrunner.spec import build_spec
+from rayrunner.models.footprint import estimate_bytes
+from rayrunner.models.spec import build_spec
 from tests.conftest import Service, model_entry
 
 LOAD_TIMEOUT_S = 20

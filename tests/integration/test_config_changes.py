@@ -32,7 +32,7 @@ def kill_registry() -> None:
     """As when the cluster stops: the next registry starts from its file."""
     import ray
 
-    from rayrunner.registry import NAMESPACE, REGISTRY_NAME
+    from rayrunner.registry.actor import NAMESPACE, REGISTRY_NAME
 
     ray.kill(ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE), no_restart=True)
     while True:

@@ -55,7 +55,7 @@ def test_stream_joins_to_the_unary_text(service: Service) -> None:
 def test_usage_counts_tokens(service: Service) -> None:
     from transformers import AutoTokenizer
 
-    from rayrunner.sources import resolve
+    from rayrunner.models.sources import resolve
 
     tokenizer = AutoTokenizer.from_pretrained(resolve("smollm2-135m-instruct").path)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,

@@ -53,7 +53,7 @@ def replica_actor(app: str, deployment: str) -> Any:
 def registry_actor() -> Any:
     import ray
 
-    from rayrunner.registry import NAMESPACE, REGISTRY_NAME
+    from rayrunner.registry.actor import NAMESPACE, REGISTRY_NAME
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == NAMESPACE and a["name"].startswith(REGISTRY_NAME)]

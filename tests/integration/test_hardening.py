@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from rayrunner import model_apps
-from rayrunner.registry_state import ModelRecord, RegistryState
-from rayrunner.spec import ModelSpec, model_app_name
+from rayrunner.models.spec import ModelSpec, model_app_name
+from rayrunner.registry import model_apps
+from rayrunner.registry.state import ModelRecord, RegistryState
 from tests.conftest import Service, model_entry
 
 USER, ADMIN = "user-key-123", "admin-key-456"
@@ -153,7 +153,7 @@ def test_each_router_app_has_its_own_registry(service: Service, cluster: dict[st
     import ray
     from ray import serve
 
-    from rayrunner.registry import NAMESPACE, registry_name
+    from rayrunner.registry.actor import NAMESPACE, registry_name
     from rayrunner.router.app import build_router_app
 
     config = {"models": [model_entry("other-model", tiny_llama_dir, load=False)],
@@ -201,7 +201,7 @@ def _kill_registry(app: str) -> None:
 
     import ray
 
-    from rayrunner.registry import NAMESPACE, registry_name
+    from rayrunner.registry.actor import NAMESPACE, registry_name
 
     with contextlib.suppress(ValueError):
         ray.kill(ray.get_actor(registry_name(app), namespace=NAMESPACE))

@@ -247,7 +247,7 @@ def test_model_a_keeps_serving_while_b_changes(service: Service, tiny_llama_dir:
 def test_registry_survives_being_killed(service: Service) -> None:
     import ray
 
-    from rayrunner.registry import NAMESPACE, REGISTRY_NAME
+    from rayrunner.registry.actor import NAMESPACE, REGISTRY_NAME
 
     def snapshot(data: list[dict[str, Any]]) -> dict[str, Any]:
         return {m["id"]: (m["status"], m["aliases"], m["is_default"]) for m in data}
@@ -270,7 +270,7 @@ def test_router_follows_registry_changes_made_elsewhere(service: Service) -> Non
     (not through this router) reaches routing within moments, also after the registry restarted (test above)."""
     import ray
 
-    from rayrunner.registry import NAMESPACE, REGISTRY_NAME
+    from rayrunner.registry.actor import NAMESPACE, REGISTRY_NAME
 
     def default_routes_to(model_id: str) -> None:
         deadline = time.monotonic() + 10

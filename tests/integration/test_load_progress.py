@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from rayrunner import load_progress
-from rayrunner.load_progress import PHASES
+from rayrunner.models import load_progress
+from rayrunner.models.load_progress import PHASES
 from tests.conftest import Service, model_entry
 
 QUANTIZED = "tiny-q8"

@@ -14,7 +14,7 @@ from peft import LoraConfig, get_peft_model
 from ray import serve
 from transformers import AutoModelForCausalLM
 
-from rayrunner.sources import SMOLLM2, resolve
+from rayrunner.models.sources import SMOLLM2, resolve
 from tests.conftest import Service, model_entry
 
 QUESTION = "What is the capital of France?"

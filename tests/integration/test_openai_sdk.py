@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rayrunner.loading import load_model
-from rayrunner.sources import SMOLLM2, resolve
-from rayrunner.spec import build_spec
+from rayrunner.deployments.loading import load_model
+from rayrunner.models.sources import SMOLLM2, resolve
+from rayrunner.models.spec import build_spec
 from tests.conftest import Service, model_entry
 
 MODEL = "smollm2-135m-instruct"

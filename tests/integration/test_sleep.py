@@ -14,9 +14,9 @@ import pytest
 from ray import serve
 
 from rayrunner.deployments.model_server import DEPLOYMENT
-from rayrunner.sources import cache_dir
-from rayrunner.spec import model_app_name
-from rayrunner.warm_workers import SPARE_DELAY_S
+from rayrunner.models.sources import cache_dir
+from rayrunner.models.spec import model_app_name
+from rayrunner.runtime.warm_workers import SPARE_DELAY_S
 from tests.conftest import Service, model_entry
 
 
@@ -88,7 +88,7 @@ def test_the_wake_up_is_in_the_replica_log(service: Service) -> None:
 
 
 def test_a_stopped_model_loads_again_in_a_waiting_worker(service: Service) -> None:
-    """After each deploy the registry has the node start a spare worker (rayrunner.warm_workers): the next
+    """After each deploy the registry has the node start a spare worker (rayrunner.runtime.warm_workers): the next
     replica of a stopped model runs in it, a process older than the reload, instead of starting one."""
     for _ in range(2):  # the first deploy here may start cold; it leaves a spare behind for the second
         if service.card("napper")["status"] == "loaded":

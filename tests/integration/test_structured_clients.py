@@ -14,7 +14,7 @@ import pytest
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
 
-from rayrunner.sources import SMOLLM2
+from rayrunner.models.sources import SMOLLM2
 from tests.conftest import Service, model_entry
 
 MODEL = "smollm2-135m-instruct"

@@ -9,8 +9,8 @@ from PIL import Image
 
 from rayrunner.deployments.engine import SamplingParams
 from rayrunner.deployments.multimodal_engine import MultimodalEngine
+from rayrunner.models.spec import build_spec
 from rayrunner.protocol import ChatCompletionRequest
-from rayrunner.spec import build_spec
 from tests.tiny_models import ODD_HEAD_SIZE, build_tiny_llava_odd_head, image_data_url
 
 RED = image_data_url(Image.new("RGB", (48, 40), (255, 0, 0)))

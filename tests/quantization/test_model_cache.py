@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rayrunner.loading import Loaded, load_model
+from rayrunner.deployments.loading import Loaded, load_model
+from rayrunner.models.spec import build_spec
 from rayrunner.quantization.int8_rows import Int8Linear
-from rayrunner.spec import build_spec
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rayrunner.models.sources import SMOLLM2, resolve
 from rayrunner.quantization import quantize_model, weight_bytes
-from rayrunner.sources import SMOLLM2, resolve
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from rayrunner.errors import InvalidRequestError, RequestTimeoutError
+from rayrunner.registry.config import ApiKeys, RequestLimits
 from rayrunner.router import timeouts
-from rayrunner.router.gate import ApiKeys, Gate, RequestLimits
+from rayrunner.router.gate import Gate
 
 
 def scope(method: str, path: str, key: str | None = None, length: int | None = None) -> dict[str, Any]:

@@ -6,9 +6,9 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from rayrunner.registry_state import RegistryState
+from rayrunner.models.spec import build_spec
+from rayrunner.registry.state import RegistryState
 from rayrunner.router.routes import RoutingTable
-from rayrunner.spec import build_spec
 
 
 def state_with_two_models() -> RegistryState:

@@ -274,8 +274,8 @@ def _disagreements(http: httpx.Client, check_serve: bool) -> list[str]:
     problems = [f"`{c['id']}` is still reloading" for c in cards if c["status"] == "reloading"]
     if not check_serve or problems:
         return problems
-    from rayrunner.model_apps import app_state
-    from rayrunner.spec import model_app_name
+    from rayrunner.models.spec import model_app_name
+    from rayrunner.registry.model_apps import app_state
 
     for card in cards:
         state = app_state(model_app_name(card["id"]))

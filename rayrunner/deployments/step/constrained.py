@@ -36,7 +36,7 @@ import llguidance
 import numpy as np
 import torch
 
-from rayrunner.deployments.sampling import LogitsProcessor
+from rayrunner.deployments.sampling_params import LogitsProcessor
 from rayrunner.deployments.structured_output import JsonTarget
 from rayrunner.errors import InvalidRequestError, UnsupportedRequestError
 

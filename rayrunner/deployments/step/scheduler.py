@@ -31,17 +31,18 @@ from typing import Any, TypeVar
 
 import torch
 
-from rayrunner import metrics
-from rayrunner.deployments.compute_thread import ComputeThread
-from rayrunner.deployments.detokenizer import Detokenizer
 from rayrunner.deployments.engine import GenerationEvent, TokenLogprob
-from rayrunner.deployments.fast_decode import FastDecode
-from rayrunner.deployments.kv_batch import BatchCache, mergeable, new_cache
-from rayrunner.deployments.lora import LoraAdapters
-from rayrunner.deployments.sampling import Logprob, SamplingParams, logprobs_of, sample
-from rayrunner.deployments.sequence import Sequence, events_of
+from rayrunner.deployments.sampling_params import SamplingParams
+from rayrunner.deployments.step.compute_thread import ComputeThread
+from rayrunner.deployments.step.detokenizer import Detokenizer
+from rayrunner.deployments.step.fast_decode import FastDecode
+from rayrunner.deployments.step.kv_batch import BatchCache, mergeable, new_cache
+from rayrunner.deployments.step.lora import LoraAdapters
+from rayrunner.deployments.step.sampling import Logprob, logprobs_of, sample
+from rayrunner.deployments.step.sequence import Sequence, events_of
 from rayrunner.errors import InvalidRequestError, ServerOverloadedError
-from rayrunner.spec import EngineSettings
+from rayrunner.models.spec import EngineSettings
+from rayrunner.runtime import metrics
 
 logger = logging.getLogger(__name__)
 _REPORT_S = 0.5  # the running/queued gauges' refresh while busy
@@ -65,7 +66,8 @@ class StepScheduler:
 
     def __init__(self, model: Any, limits: SchedulerLimits, adapters: LoraAdapters | None = None,
                  model_id: str | None = None) -> None:
-        """`model_id` labels the running/queued gauges this scheduler reports (`rayrunner.metrics`); None: none."""
+        """`model_id` labels the running/queued gauges this scheduler reports (`rayrunner.runtime.metrics`);
+        None: none."""
         self.model = model
         self.model_id = model_id
         self.adapters = adapters

@@ -1,7 +1,7 @@
 """The registry's use and capacity book-keeping: in-flight counts from the routers, room made before a load by
 evicting idle models (`max_loaded_models`, `max_loaded_bytes`), and the keep_alive timer.
 
-A mixin of `rayrunner.registry.Registry`, kept apart so each file holds one concept; it relies on the registry's
+A mixin of `rayrunner.registry.actor.Registry`, kept apart so each file holds one concept; it relies on the registry's
 state, config, per-model locks and `_unload`.
 """
 
@@ -12,10 +12,12 @@ import logging
 import time
 from typing import Any
 
-from rayrunner.capacity import IDLE, InFlightBook, KeepAlive, Limits, Occupant, idle_deadline, plan_room
 from rayrunner.errors import CapacityError
-from rayrunner.footprint import estimate_bytes
-from rayrunner.registry_state import ModelRecord, RegistryConfig, RegistryState, UnloadMode
+from rayrunner.models.footprint import estimate_bytes
+from rayrunner.models.keep_alive import KeepAlive, idle_deadline
+from rayrunner.registry.capacity import IDLE, InFlightBook, Limits, Occupant, plan_room
+from rayrunner.registry.config import RegistryConfig
+from rayrunner.registry.state import ModelRecord, RegistryState, UnloadMode
 
 logger = logging.getLogger(__name__)
 _ROOM_POLL_S = 0.5  # how often a load waiting for room re-checks whether a model became evictable

@@ -1,4 +1,4 @@
-"""Per-request sampling settings and the logits stage that applies them to one decode step of a whole batch.
+"""The logits stage that applies each request's sampling settings to one decode step of a whole batch.
 
 Every sequence in a step keeps its own settings: the stage first runs each row's logits processors (penalties,
 logit bias; later features such as constrained decoding add processors of their own), then picks each row's token.
@@ -9,65 +9,35 @@ rounding of its logits, which in bf16 differs a little inside a padded batch).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import torch
+
+from rayrunner.deployments.sampling_params import LogitsProcessor, SamplingParams
 
 # How many of its most likely tokens a row is sampled from, widening while a top-p nucleus reaches past them, before
 # the whole vocabulary is sorted (see `_draw`): top-k of 512 or 4096 costs 2.5 or 5.6 ms for 16 rows of SmolLM2's
 # 49k vocabulary on this 2-core CPU, a full sort 28 ms.
 _CANDIDATES = (512, 4096)
 
-# A row's logits processor: (prompt ids, generated ids, logits of shape [vocab]) -> logits.
-LogitsProcessor = Callable[[list[int], list[int], torch.Tensor], torch.Tensor]
 
+def logits_processors(params: SamplingParams, eos_ids: Collection[int] = ()) -> list[LogitsProcessor]:
+    """A row's logits processors, in the order they apply (only those its settings switch on); `eos_ids` are
+    the ids that end the row's reply besides its `stop_token_ids`."""
+    found: list[LogitsProcessor] = []
+    if params.repetition_penalty != 1.0:
+        found.append(_repetition_penalty(params.repetition_penalty))
+    if params.presence_penalty or params.frequency_penalty:
+        found.append(_openai_penalties(params.presence_penalty, params.frequency_penalty))
+    if params.logit_bias:
+        found.append(_logit_bias(params.logit_bias))
+    if params.constraint is not None:
+        found.append(params.constraint())  # nothing after it may re-allow a token the grammar forbids
+    if params.min_tokens:
+        found.append(_min_tokens(params.min_tokens, {*eos_ids, *params.stop_token_ids}))
+    return found
 
-@dataclass
-class SamplingParams:
-    """Per-request generation settings, already resolved (defaults applied, limits checked)."""
-
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: int | None = None  # None: off; k: each chosen token's logprob and the k most likely alternatives
-    prompt_logprobs: bool = False  # completions `echo` with logprobs: the prompt's tokens' logprobs too
-    n: int = 1  # choices from one prompt (the scheduler prefills once and forks the cache)
-    min_tokens: int = 0  # until this many are out, the ids that end a reply are masked (stop strings: `Detokenizer`)
-    ignore_eos: bool = False  # the model's EOS ids do not end the reply (the scheduler gives the sequence none)
-    include_stop_str_in_output: bool = False  # the stop string or stop token that ended the reply stays in its text
-    skip_special_tokens: bool = True
-    # Makes a fresh processor per sequence that masks the tokens a grammar forbids (structured output, tool calls).
-    constraint: Callable[[], LogitsProcessor] | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    def processors(self, eos_ids: Collection[int] = ()) -> list[LogitsProcessor]:
-        """The row's logits processors, in the order they apply (only those its settings switch on); `eos_ids` are
-        the ids that end the row's reply besides its `stop_token_ids`."""
-        found: list[LogitsProcessor] = []
-        if self.repetition_penalty != 1.0:
-            found.append(_repetition_penalty(self.repetition_penalty))
-        if self.presence_penalty or self.frequency_penalty:
-            found.append(_openai_penalties(self.presence_penalty, self.frequency_penalty))
-        if self.logit_bias:
-            found.append(_logit_bias(self.logit_bias))
-        if self.constraint is not None:
-            found.append(self.constraint())  # nothing after it may re-allow a token the grammar forbids
-        if self.min_tokens:
-            found.append(_min_tokens(self.min_tokens, {*eos_ids, *self.stop_token_ids}))
-        return found
 
 
 def _repetition_penalty(penalty: float) -> LogitsProcessor:

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from rayrunner.deployments.core_share import CoreShare
+from rayrunner.deployments.step.core_share import CoreShare
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -16,7 +16,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from rayrunner.errors import InvalidSpecError, ModelLoadError
-from rayrunner.load_progress import LoadProgress
+from rayrunner.models.load_progress import LoadProgress
 
 SMOLLM2 = "smollm2-135m-instruct"
 MINILM = "all-minilm-l6-v2"

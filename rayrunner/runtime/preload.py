@@ -2,7 +2,7 @@
 rayrunner's model server (~4 s on a small CPU box).
 
 Ray imports this module in every Python worker of a cluster started with
-`RAY_preload_python_modules=rayrunner.worker_preload` (see `rayrunner.warm_workers`). Only workers started for
+`RAY_preload_python_modules=rayrunner.runtime.preload` (see `rayrunner.runtime.warm_workers`). Only workers started for
 model replicas, and the spare workers started for them, carry `RAYRUNNER_PRELOAD=1` in their runtime env: they
 import the model stack here, in the main thread before the worker takes any task, so a spare waits fully imported
 and a replica given to it starts at once. Every other worker (Serve's controller and proxy, the router, the
@@ -29,7 +29,7 @@ import os
 import resource
 from collections.abc import Iterator
 
-from rayrunner.warm_workers import PRELOAD_ENV_VAR  # (it imports nothing of rayrunner's: no cycle)
+from rayrunner.runtime.warm_workers import PRELOAD_ENV_VAR  # (it imports nothing of rayrunner's: no cycle)
 
 MODULES = (
     "torch",

@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from rayrunner.architectures import check_arch
-from rayrunner.cpu_gemm import widen_linears
 from rayrunner.errors import InvalidSpecError, ModelLoadError, RayRunnerError
-from rayrunner.load_progress import LoadProgress, for_model
+from rayrunner.models.architectures import check_arch
+from rayrunner.models.load_progress import LoadProgress, for_model
+from rayrunner.models.sources import ResolvedSource, resolve
+from rayrunner.models.spec import ModelSpec
+from rayrunner.models.which import GGUF
+from rayrunner.quantization.cpu_gemm import widen_linears
 from rayrunner.quantization.model_cache import QuantizedModelCache
-from rayrunner.sources import ResolvedSource, resolve
-from rayrunner.spec import ModelSpec
-from rayrunner.which import GGUF
 
 _DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 

@@ -12,8 +12,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from rayrunner.spec import ModelSpec
-from rayrunner.which import GGUF
+from rayrunner.models.spec import ModelSpec
+from rayrunner.models.which import GGUF
 
 _LOADED_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "auto": 2}  # `auto` loads as bf16 (see loading.pick_dtype)
 _KV_TOKENS_CAP = 4096  # a reserve for one sequence, not the model's whole context window
@@ -34,7 +34,7 @@ def estimate_bytes(spec: ModelSpec, measured_weight_bytes: int | None = None) ->
 def _local_source(spec: ModelSpec) -> tuple[Path | None, str | None]:
     """The weights folder (and GGUF file) when they are on this machine: a folder, a file, a builtin, or a hub
     id already in the cache."""
-    from rayrunner.sources import BUILTIN, resolve
+    from rayrunner.models.sources import BUILTIN, resolve
 
     which = spec.which
     gguf_file = which.quantized_filename if isinstance(which, GGUF) else None

@@ -12,8 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rayrunner.errors import InvalidSpecError
+from rayrunner.models.which import Which, WhichSpec
 from rayrunner.protocol import DEFAULT_MODEL
-from rayrunner.which import Which, WhichSpec
 
 
 class EngineSettings(BaseModel):

@@ -7,7 +7,7 @@ env when the node has one, so:
 
 - model replicas run with `REPLICA_RUNTIME_ENV` (`RAYRUNNER_PRELOAD=1`), and a cluster started by rayrunner (its
   scripts, the CLI, the Runner's own cluster, the tests) sets `CLUSTER_ENV`, which has every Ray worker import
-  `rayrunner.worker_preload`: a worker with that variable imports the model stack as it starts;
+  `rayrunner.runtime.preload`: a worker with that variable imports the model stack as it starts;
 - `SPARE_DELAY_S` after each deploy of a model (the registry's own, or a config's it adopted), the registry asks
   that node's raylet for one spare worker with the replica's own job and runtime env, kept alive `KEEP_ALIVE_S`
   (`WarmSpares`). It starts, imports, and waits; the next replica started on the node takes it.
@@ -24,11 +24,11 @@ import logging
 import time
 from typing import Any, cast
 
-from rayrunner import serve_transport
+from rayrunner.runtime import transport as serve_transport
 
 logger = logging.getLogger(__name__)
 
-# Not imported from rayrunner.worker_preload, which imports the model server when this is set: rayrunner's
+# Not imported from rayrunner.runtime.preload, which imports the model server when this is set: rayrunner's
 # __init__ imports this module, so the model server's own import of it would find it half-initialized.
 PRELOAD_ENV_VAR = "RAYRUNNER_PRELOAD"
 # Read by the raylet when it starts (and by the processes it starts): spares import the model stack; Serve's hops
@@ -36,7 +36,7 @@ PRELOAD_ENV_VAR = "RAYRUNNER_PRELOAD"
 # replica, the router, the proxy) at nice 15, so any busy nice-0 process on the node (a load generator, a monitoring
 # agent) takes the cores from the serving path: on a 2-core box a decoding replica then spun at 72% CPU for ~1
 # token/s. Serving is what a rayrunner node is for; a spare still imports at a lower priority (`worker_preload`).
-CLUSTER_ENV = {"RAY_preload_python_modules": "rayrunner.worker_preload", "RAY_worker_niceness": "0",
+CLUSTER_ENV = {"RAY_preload_python_modules": "rayrunner.runtime.preload", "RAY_worker_niceness": "0",
                **serve_transport.CLUSTER_ENV}
 REPLICA_RUNTIME_ENV = {"env_vars": {PRELOAD_ENV_VAR: "1", **serve_transport.REPLICA_ENV}}
 KEEP_ALIVE_S = 600

@@ -11,9 +11,9 @@ against what Serve is actually running. Every saved change also bumps a version 
 (`routing_table`), so they route without asking the registry per request.
 
 Capacity (`max_loaded_models`, `max_loaded_bytes`) is made before a load by evicting idle models (see
-`rayrunner.capacity`); an idle-timer task unloads models whose `keep_alive` ran out. Both know use from the routers'
-batched `report_usage` calls: each router replica counts its open requests per model and sends its counts and
-last-use times at most every half second, never per request.
+`rayrunner.registry.capacity`); an idle-timer task unloads models whose `keep_alive` ran out. Both know use from
+the routers' batched `report_usage` calls: each router replica counts its open requests per model and sends its
+counts and last-use times at most every half second, never per request.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from typing import Any, Literal
 
 import ray
 
-from rayrunner import load_progress, metrics, model_apps
-from rayrunner.capacity import InFlightBook
 from rayrunner.errors import (
     ModelAlreadyLoadedError,
     ModelAlreadyUnloadedError,
@@ -41,11 +39,16 @@ from rayrunner.errors import (
     as_rayrunner_error,
     unwrap,
 )
-from rayrunner.registry_capacity import CapacityMixin
-from rayrunner.registry_state import ModelEntry, ModelRecord, RegistryConfig, RegistryState, UnloadMode
-from rayrunner.sources import cache_dir
-from rayrunner.spec import ModelSpec
-from rayrunner.warm_workers import SPARE_DELAY_S, WarmSpares
+from rayrunner.models import load_progress
+from rayrunner.models.sources import cache_dir
+from rayrunner.models.spec import ModelSpec
+from rayrunner.registry import model_apps
+from rayrunner.registry.capacity import InFlightBook
+from rayrunner.registry.config import RegistryConfig
+from rayrunner.registry.eviction import CapacityMixin
+from rayrunner.registry.state import ModelEntry, ModelRecord, RegistryState, UnloadMode
+from rayrunner.runtime import metrics
+from rayrunner.runtime.warm_workers import SPARE_DELAY_S, WarmSpares
 
 REGISTRY_NAME = "rayrunner-registry"
 NAMESPACE = "rayrunner"

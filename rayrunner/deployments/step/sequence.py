@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from rayrunner.deployments.detokenizer import Detokenizer
 from rayrunner.deployments.engine import GenerationEvent, TokenLogprob
-from rayrunner.deployments.sampling import Logprob, SamplingParams, SamplingRow, new_generator
+from rayrunner.deployments.sampling_params import SamplingParams
+from rayrunner.deployments.step.detokenizer import Detokenizer
+from rayrunner.deployments.step.sampling import Logprob, SamplingRow, logits_processors, new_generator
 
 
 @dataclass(eq=False)
@@ -66,7 +67,7 @@ class Sequence:
     def sampling_row(self, device: torch.device) -> SamplingRow:
         if self.row is None:
             self.row = SamplingRow(self.params, self.prompt_ids, self.output_ids,
-                                   self.params.processors(self.eos_ids), new_generator(self.params, device))
+                                   logits_processors(self.params, self.eos_ids), new_generator(self.params, device))
         return self.row
 
     def token_logprob(self, found: Logprob) -> TokenLogprob:

@@ -1,6 +1,6 @@
 """The registry's data: model records, aliases and the default, their checks, and their file.
 
-Pure logic with no Ray in it: the registry actor (`rayrunner.registry`) serialises changes and drives Serve; this
+Pure logic with no Ray in it: the registry actor (`rayrunner.registry.actor`) serialises changes and drives Serve; this
 module decides what a change means and whether it is allowed, and persists the result atomically.
 """
 
@@ -12,11 +12,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from rayrunner.capacity import KeepAlive, checked_keep_alive
 from rayrunner.errors import (
     AliasConflictError,
     InvalidSpecError,
@@ -25,11 +24,13 @@ from rayrunner.errors import (
     NoDefaultModelError,
     SpecMismatchError,
 )
+from rayrunner.models.keep_alive import KeepAlive, checked_keep_alive
+from rayrunner.models.spec import ModelSpec
+from rayrunner.models.which import Lora, Plain
 from rayrunner.protocol import DEFAULT_MODEL
-from rayrunner.router.gate import ApiKeys, RequestLimits
-from rayrunner.source_policy import SourcePolicy
-from rayrunner.spec import ModelSpec
-from rayrunner.which import Lora, Plain
+
+if TYPE_CHECKING:
+    from rayrunner.registry.config import RegistryConfig
 
 Status = Literal["loaded", "unloaded", "reloading"]
 UnloadMode = Literal["stop", "sleep"]
@@ -69,37 +70,6 @@ class ModelEntry(BaseModel):
     keep_alive: Annotated[KeepAlive, AfterValidator(checked_keep_alive)] = Field(
         None, description='Unload after this long idle: "5m", "30s", seconds, -1 forever (unset: as registered, '
         "forever for a new model).")
-
-
-class RegistryConfig(BaseModel):
-    """The router's `args`: every model it serves, the default, and where the registry keeps its state."""
-
-    model_config = ConfigDict(extra="forbid")
-    models: list[ModelEntry] = Field(default_factory=list)
-    default_model: str | None = Field(None, description="Model id or alias; default: the first model.")
-    state_path: str | None = Field(None, description="Registry state file (default under the cache dir).")
-    load_timeout_s: float = Field(900.0, gt=0, description="How long a load (and a request waiting on it) may take.")
-    unload_timeout_s: float = Field(300.0, gt=0, description="How long an unload waits for in-flight requests.")
-    idle_unload_mode: UnloadMode = Field("stop", description="How keep_alive unloads an idle model: `stop` (no "
-                                         "replica) or `sleep` (the replica stays, weights freed).")
-    max_loaded_models: int | None = Field(None, ge=1, description="Most models loaded at once; a load past it "
-                                          "first unloads idle models, least recently used first (default: no limit).")
-    max_loaded_bytes: int | None = Field(None, ge=1, description="Most estimated bytes (weights and KV reserve) "
-                                         "loaded at once, enforced the same way (default: no limit).")
-    sources: SourcePolicy = Field(default_factory=SourcePolicy, description="Where models added at runtime may "
-                                  "load from (default: builtin models only).")
-    limits: RequestLimits = Field(default_factory=RequestLimits, description="Body size, tokens, time per request.")
-    auth: ApiKeys = Field(default_factory=ApiKeys, description="API keys (default: none needed); never saved.")
-
-    @model_validator(mode="after")
-    def _consistent(self) -> RegistryConfig:
-        state = RegistryState()
-        for entry in self.models:
-            state.check_new(entry.spec.model_id, entry.aliases)
-            state.add(entry.spec, entry.aliases)
-        if self.default_model is not None:
-            state.set_default(self.default_model)
-        return self
 
 
 class ModelRecord(BaseModel):

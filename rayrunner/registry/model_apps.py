@@ -23,8 +23,8 @@ from ray import serve
 
 from rayrunner.deployments.model_server import DEPLOYMENT, model_deployment
 from rayrunner.errors import ModelLoadError, ModelTimeoutError
-from rayrunner.placement import check_placeable
-from rayrunner.spec import ModelSpec
+from rayrunner.models.spec import ModelSpec
+from rayrunner.registry.placement import check_placeable
 
 _POLL_S = 0.2
 _FAILED = {"DEPLOY_FAILED", "UNHEALTHY"}

@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from rayrunner.errors import UnplaceableModelError
-from rayrunner.spec import EngineSettings, ModelSpec
+from rayrunner.models.spec import EngineSettings, ModelSpec
 
 SKIP_ENV = "RAYRUNNER_PLACEMENT_CHECK"
 ACCELERATOR_PREFIX = "accelerator_type:"

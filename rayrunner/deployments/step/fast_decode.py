@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rayrunner.cpu_gemm import wide_dtype
-from rayrunner.deployments.kv_batch import BatchCache, mergeable
+from rayrunner.deployments.step.kv_batch import BatchCache, mergeable
+from rayrunner.quantization.cpu_gemm import wide_dtype
 from rayrunner.quantization.int8_rows import KERNEL_IN_MULTIPLE, KERNEL_MAX_ROWS, Int8Linear, int8_matmul, share_storage
 
 DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})

@@ -17,8 +17,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from rayrunner.errors import PermissionDeniedError
-from rayrunner.sources import BUILTIN
-from rayrunner.which import AnyWhich
+from rayrunner.models.sources import BUILTIN
+from rayrunner.models.which import AnyWhich
 
 ANY = "*"
 # Fields of a `which` that name a place to read weights, a tokenizer, an adapter or a cache from.
@@ -60,7 +60,7 @@ class SourcePolicy(BaseModel):
 
 
 def _is_local(location: str) -> bool:
-    """A path rather than a hub id: written as one, or existing here (as `rayrunner.sources.resolve` decides)."""
+    """A path rather than a hub id: written as one, or existing here (as `rayrunner.models.sources.resolve` decides)."""
     return location.startswith(("/", ".", "~")) or os.path.exists(os.path.expanduser(location))
 
 

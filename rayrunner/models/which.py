@@ -10,8 +10,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from rayrunner.architectures import Architecture, EmbeddingArchitecture, MultimodalArchitecture
 from rayrunner.errors import InvalidSpecError
+from rayrunner.models.architectures import Architecture, EmbeddingArchitecture, MultimodalArchitecture
 
 Dtype = Literal["auto", "bf16", "f16", "f32"]
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rayrunner.deployments.sampling import SamplingParams
+    from rayrunner.deployments.sampling_params import SamplingParams
 
 
 class StopFilter:

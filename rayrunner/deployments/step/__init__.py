@@ -1,0 +1,1 @@
+"""The engine's step loop: scheduler, sequences, KV batch, sampling, decoding."""

@@ -1,0 +1,1 @@
+"""What a model is: its spec, source and footprint (torch-free)."""

@@ -1,0 +1,81 @@
+"""The service's config, the router's `args`: every model it serves, the default, capacity limits, where models may
+load from, request limits and API keys. Validated when a config is applied; the registry keeps the models part."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rayrunner.errors import InvalidRequestError
+from rayrunner.models.source_policy import SourcePolicy
+from rayrunner.registry.state import ModelEntry, RegistryState, UnloadMode
+
+
+class ApiKeys(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    api_keys: list[str] = Field(default_factory=list, description="Keys for the inference routes (and reads).")
+    admin_api_keys: list[str] = Field(default_factory=list, description="Keys for the admin routes (and all).")
+
+    def with_environment(self) -> ApiKeys:
+        """These keys plus `RAYRUNNER_API_KEYS` / `RAYRUNNER_ADMIN_API_KEYS` (comma-separated)."""
+        return ApiKeys(api_keys=self.api_keys + _env_keys("RAYRUNNER_API_KEYS"),
+                       admin_api_keys=self.admin_api_keys + _env_keys("RAYRUNNER_ADMIN_API_KEYS"))
+
+
+class RequestLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_body_bytes: int = Field(32 * 2**20, ge=1024, description="Largest request body (413 past it).")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens one request may generate: a larger "
+                                   "`max_tokens` is a 400, an unset one gets this (default: no limit).")
+    request_timeout_s: float | None = Field(None, gt=0, description="Longest a request may run; past it, a 408 "
+                                            "(a stream ends with that error) and its work is cancelled.")
+
+    def bounded(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A generation body within `max_tokens`: refused above it, given it when it sets none."""
+        if self.max_tokens is None:
+            return body
+        asked = body.get("max_tokens")
+        if asked is None:
+            return {**body, "max_tokens": self.max_tokens}
+        if asked > self.max_tokens:
+            raise InvalidRequestError(f"max_tokens: {asked} is more than this service allows per request "
+                                      f"({self.max_tokens})", param="max_tokens")
+        return body
+
+
+def _env_keys(name: str) -> list[str]:
+    return [key.strip() for key in os.environ.get(name, "").split(",") if key.strip()]
+
+
+
+class RegistryConfig(BaseModel):
+    """The router's `args`: every model it serves, the default, and where the registry keeps its state."""
+
+    model_config = ConfigDict(extra="forbid")
+    models: list[ModelEntry] = Field(default_factory=list)
+    default_model: str | None = Field(None, description="Model id or alias; default: the first model.")
+    state_path: str | None = Field(None, description="Registry state file (default under the cache dir).")
+    load_timeout_s: float = Field(900.0, gt=0, description="How long a load (and a request waiting on it) may take.")
+    unload_timeout_s: float = Field(300.0, gt=0, description="How long an unload waits for in-flight requests.")
+    idle_unload_mode: UnloadMode = Field("stop", description="How keep_alive unloads an idle model: `stop` (no "
+                                         "replica) or `sleep` (the replica stays, weights freed).")
+    max_loaded_models: int | None = Field(None, ge=1, description="Most models loaded at once; a load past it "
+                                          "first unloads idle models, least recently used first (default: no limit).")
+    max_loaded_bytes: int | None = Field(None, ge=1, description="Most estimated bytes (weights and KV reserve) "
+                                         "loaded at once, enforced the same way (default: no limit).")
+    sources: SourcePolicy = Field(default_factory=SourcePolicy, description="Where models added at runtime may "
+                                  "load from (default: builtin models only).")
+    limits: RequestLimits = Field(default_factory=RequestLimits, description="Body size, tokens, time per request.")
+    auth: ApiKeys = Field(default_factory=ApiKeys, description="API keys (default: none needed); never saved.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RegistryConfig:
+        state = RegistryState()
+        for entry in self.models:
+            state.check_new(entry.spec.model_id, entry.aliases)
+            state.add(entry.spec, entry.aliases)
+        if self.default_model is not None:
+            state.set_default(self.default_model)
+        return self

@@ -1,0 +1,1 @@
+"""What each Ray process sets up: transport, warm workers, preload, logs, metrics."""
