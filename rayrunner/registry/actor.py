@@ -42,13 +42,12 @@ from rayrunner.errors import (
 from rayrunner.models import load_progress
 from rayrunner.models.sources import cache_dir
 from rayrunner.models.spec import ModelSpec
-from rayrunner.registry import model_apps
 from rayrunner.registry.capacity import InFlightBook
 from rayrunner.registry.config import RegistryConfig
 from rayrunner.registry.eviction import CapacityMixin
+from rayrunner.registry.model_apps import ModelApps, ServeModelApps
 from rayrunner.registry.state import ModelEntry, ModelRecord, RegistryState, UnloadMode
 from rayrunner.runtime import metrics
-from rayrunner.runtime.warm_workers import SPARE_DELAY_S, WarmSpares
 
 REGISTRY_NAME = "rayrunner-registry"
 NAMESPACE = "rayrunner"
@@ -59,7 +58,8 @@ LoadMode = Literal["deploy", "adopt", "replace"]
 
 
 class Registry(CapacityMixin):
-    def __init__(self, state_path: str) -> None:
+    def __init__(self, state_path: str, apps: ModelApps | None = None) -> None:
+        self.apps: ModelApps = apps or ServeModelApps()  # Serve in production, a fake in tests
         self.path = Path(state_path)
         self.state = RegistryState.load(self.path)
         self.config = RegistryConfig.model_validate(self.state.settings)
@@ -74,7 +74,6 @@ class Registry(CapacityMixin):
         self._in_flight = InFlightBook()
         self._tasks: set[asyncio.Task[None]] = set()
         self._idle_timer: asyncio.Task[None] | None = None
-        self._spares = WarmSpares()
 
     # ------------------------------------------------------------ start-up
 
@@ -113,13 +112,13 @@ class Registry(CapacityMixin):
             if self.state.host_of(model_id) is not None:  # served by its host's replica: loads with the host
                 record.status = "unloaded"
                 continue
-            state = await asyncio.to_thread(model_apps.app_state, record.spec.app_name)
+            state = await self.apps.state(record.spec.app_name)
             running = state.running >= 1 and state.deployment_status == "HEALTHY"
             starting = state.exists and state.deployment_status not in ("HEALTHY", "DEPLOY_FAILED", "UNHEALTHY")
             if (running or starting) and model_id in respecified and not await self._runs_spec(record.spec):
                 logger.info("config: redeploying `%s`, which runs the spec the config replaced", model_id)
                 self._start_load(record, mode="replace")
-            elif running and await model_apps.replica_asleep(record.spec.app_name):  # running is known: ask the replica
+            elif running and await self.apps.replica_asleep(record.spec.app_name):  # running is known: ask the replica
                 record.status, record.unload_mode = "unloaded", "sleep"
             elif running:
                 record.status = "loaded"
@@ -131,11 +130,10 @@ class Registry(CapacityMixin):
                 record.status = "unloaded"
         self._persist()
 
-    @staticmethod
-    async def _runs_spec(spec: ModelSpec) -> bool:
+    async def _runs_spec(self, spec: ModelSpec) -> bool:
         """Whether the model's app was deployed (by a config) with exactly `spec`; unknown counts as no."""
         with contextlib.suppress(Exception):
-            args = await model_apps.deployed_args(spec.app_name)
+            args = await self.apps.deployed_args(spec.app_name)
             return args is not None and ModelSpec.model_validate(args) == spec
         return False
 
@@ -264,7 +262,7 @@ class Registry(CapacityMixin):
                 self._check_current(record)
                 if record.status == "reloading":  # a load queued before this remove started
                     raise ModelReloadingError(model_id)
-                await model_apps.delete(record.spec.app_name)
+                await self.apps.delete(record.spec.app_name)
                 self.state.remove(model_id)
                 metrics.model_status(model_id, "removed")  # every status gauge of the model to 0
                 self._persist()
@@ -359,32 +357,23 @@ class Registry(CapacityMixin):
             self._persist()
             metrics.model_loaded(spec.model_id, record.load_seconds, record.info.get("weight_bytes"))
             if deployed_at is not None or mode == "adopt":  # the next replica on that node starts in a warm worker
-                self._spawn(self._spare_after(spec.app_name, deployed_at))
+                self._spawn(self.apps.after_load(spec.app_name, deployed_at))
 
     async def _replica_up(self, record: ModelRecord, mode: LoadMode) -> tuple[dict[str, Any], float | None]:
         """Bring the model's replica up by `mode`: its info, and the wall time of a fresh deploy (None for a wake or
         an adoption, which start no worker)."""
         app = record.spec.app_name
         if mode == "replace":
-            await model_apps.delete(app)
-        if mode == "deploy" and record.unload_mode == "sleep" and await model_apps.asleep(app):
-            woken = await asyncio.wait_for(model_apps.call_replica(app, "wake"), self.config.load_timeout_s)
+            await self.apps.delete(app)
+        if mode == "deploy" and record.unload_mode == "sleep" and await self.apps.asleep(app):
+            woken = await asyncio.wait_for(self.apps.wake(app), self.config.load_timeout_s)
             return woken, None  # the replica answered: it runs, and wake answers its info
         if mode == "adopt":
-            await model_apps.wait_loaded(app, self.config.load_timeout_s)
-            return await model_apps.call_replica(app, "info"), None
+            await self.apps.wait_loaded(app, self.config.load_timeout_s)
+            return await self.apps.info(app), None
         deployed_at = time.time()
         await self._bring_up(record.spec)
-        return await model_apps.new_replica_info(app, deployed_at, self.config.load_timeout_s), deployed_at
-
-    async def _spare_after(self, app: str, deployed_at: float | None) -> None:
-        """A spare worker for the node of the app's new replica (`deployed_at`: None for an adopted deploy)."""
-        worker = await model_apps.call_replica(app, "worker")
-        await asyncio.sleep(SPARE_DELAY_S)
-        if deployed_at is None:
-            await asyncio.to_thread(self._spares.after_adopt, worker)
-        else:
-            await asyncio.to_thread(self._spares.after_deploy, worker, deployed_at)
+        return await self.apps.new_replica_info(app, deployed_at, self.config.load_timeout_s), deployed_at
 
     async def _room_or_unloaded(self, record: ModelRecord) -> None:
         """Make room for the load; when there is none (too large, or no room in time) the model goes back to
@@ -403,7 +392,7 @@ class Registry(CapacityMixin):
             return
         self._mark_unloaded(record, reason, "sleep")
         try:
-            record.info = await model_apps.call_replica(record.spec.app_name, "sleep")
+            record.info = await self.apps.sleep(record.spec.app_name)
         except Exception:
             logger.exception("`%s` could not sleep: stopping it instead", record.spec.model_id)
             await self._scale_down(record, reason)
@@ -421,15 +410,14 @@ class Registry(CapacityMixin):
     async def _scale_down(self, record: ModelRecord, reason: str) -> None:
         """Unload (caller holds the model's lock): `unloaded` at once, then the replica drains and exits."""
         self._mark_unloaded(record, reason, "stop")
-        await model_apps.scale(record.spec.app_name, 0)
-        await model_apps.wait_gone(record.spec.app_name, self.config.unload_timeout_s)
+        await self.apps.scale_to_zero(record.spec.app_name, self.config.unload_timeout_s)
         record.info = {}
         self._persist()
 
     async def _bring_up(self, spec: ModelSpec) -> None:
         # Always a fresh deploy from the saved spec (not a scale-up): Serve reports a broken constructor of a new
         # deployment version as DEPLOY_FAILED at once, while a failing scale-up of an old one retries forever.
-        await asyncio.wait_for(model_apps.deploy(spec), self.config.load_timeout_s)
+        await asyncio.wait_for(self.apps.deploy(spec), self.config.load_timeout_s)
 
     async def _fail_load(self, record: ModelRecord, exc: BaseException) -> None:
         """Never leave a model stuck: back to `unloaded`, the cause in `last_error`, no half-started app."""
@@ -441,7 +429,7 @@ class Registry(CapacityMixin):
         self._persist()
         # The app may never have been created; the record is already consistent either way.
         with contextlib.suppress(Exception):
-            await model_apps.delete(record.spec.app_name)
+            await self.apps.delete(record.spec.app_name)
         load_progress.clear(record.spec.app_name)  # after the delete: a replica still loading wrote until then
 
     def _persist(self) -> None:

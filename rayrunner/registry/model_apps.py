@@ -1,4 +1,7 @@
-"""Model applications on Ray Serve: deploy, scale to zero, wait for a state, delete.
+"""Model applications on Ray Serve: deploy, scale to zero, wait for a state, delete, ask the replica.
+
+The registry drives them through the `ModelApps` interface: `ServeModelApps` here, an in-memory fake in tests
+(`tests/fake_model_apps.py`), so its lifecycle logic runs without a cluster.
 
 Unload uses Serve's external scaling API (`POST /api/v1/applications/{app}/deployments/{dep}/scale` on the
 dashboard): the replica drains and exits, while the app, its config and its dashboard entry stay and no other app
@@ -16,7 +19,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from ray import serve
@@ -25,6 +28,7 @@ from rayrunner.deployments.model_server import DEPLOYMENT, model_deployment
 from rayrunner.errors import ModelLoadError, ModelTimeoutError
 from rayrunner.models.spec import ModelSpec
 from rayrunner.registry.placement import check_placeable
+from rayrunner.runtime.warm_workers import SPARE_DELAY_S, WarmSpares
 
 _POLL_S = 0.2
 _FAILED = {"DEPLOY_FAILED", "UNHEALTHY"}
@@ -187,3 +191,75 @@ async def replica_asleep(app: str) -> bool:
     with contextlib.suppress(Exception):
         return bool((await call_replica(app, "info")).get("asleep"))
     return False
+
+
+class ModelApps(Protocol):
+    """What the registry needs from the platform that runs model replicas, one app per model."""
+
+    async def state(self, app: str) -> AppState: ...
+    async def deployed_args(self, app: str) -> dict[str, Any] | None: ...
+    async def deploy(self, spec: ModelSpec) -> None: ...
+    async def wait_loaded(self, app: str, timeout_s: float) -> None: ...
+    async def new_replica_info(self, app: str, deployed_at: float, timeout_s: float) -> dict[str, Any]: ...
+    async def scale_to_zero(self, app: str, timeout_s: float) -> None: ...
+    async def delete(self, app: str) -> None: ...
+    async def info(self, app: str) -> dict[str, Any]: ...
+    async def sleep(self, app: str) -> dict[str, Any]: ...
+    async def wake(self, app: str) -> dict[str, Any]: ...
+    async def asleep(self, app: str) -> bool: ...
+    async def replica_asleep(self, app: str) -> bool: ...
+    async def after_load(self, app: str, deployed_at: float | None) -> None: ...
+
+
+class ServeModelApps:
+    """`ModelApps` on Ray Serve (this module's functions), with a warm spare worker after each load."""
+
+    def __init__(self) -> None:
+        self._spares = WarmSpares()
+
+    async def state(self, app: str) -> AppState:
+        return await asyncio.to_thread(app_state, app)
+
+    async def deployed_args(self, app: str) -> dict[str, Any] | None:
+        return await deployed_args(app)
+
+    async def deploy(self, spec: ModelSpec) -> None:
+        await deploy(spec)
+
+    async def wait_loaded(self, app: str, timeout_s: float) -> None:
+        await wait_loaded(app, timeout_s)
+
+    async def new_replica_info(self, app: str, deployed_at: float, timeout_s: float) -> dict[str, Any]:
+        return await new_replica_info(app, deployed_at, timeout_s)
+
+    async def scale_to_zero(self, app: str, timeout_s: float) -> None:
+        """The replica drains (in-flight requests finish) and exits; the app stays."""
+        await scale(app, 0)
+        await wait_gone(app, timeout_s)
+
+    async def delete(self, app: str) -> None:
+        await delete(app)
+
+    async def info(self, app: str) -> dict[str, Any]:
+        return await call_replica(app, "info")
+
+    async def sleep(self, app: str) -> dict[str, Any]:
+        return await call_replica(app, "sleep")
+
+    async def wake(self, app: str) -> dict[str, Any]:
+        return await call_replica(app, "wake")
+
+    async def asleep(self, app: str) -> bool:
+        return await asleep(app)
+
+    async def replica_asleep(self, app: str) -> bool:
+        return await replica_asleep(app)
+
+    async def after_load(self, app: str, deployed_at: float | None) -> None:
+        """A spare worker for the node of the app's new replica (`deployed_at`: None for an adopted deploy)."""
+        worker = await call_replica(app, "worker")
+        await asyncio.sleep(SPARE_DELAY_S)
+        if deployed_at is None:
+            await asyncio.to_thread(self._spares.after_adopt, worker)
+        else:
+            await asyncio.to_thread(self._spares.after_deploy, worker, deployed_at)

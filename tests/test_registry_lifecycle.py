@@ -1,0 +1,126 @@
+"""The registry's lifecycle logic in process, against an in-memory `ModelApps` (no cluster): single-flight loads,
+failures, unload modes, eviction, keep_alive, remove races and reconciliation with what already runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rayrunner.errors import ModelLoadError, ModelNotFoundError, ModelReloadingError
+from rayrunner.registry.actor import Registry
+from tests.fake_model_apps import FakeModelApps
+
+SMOLLM2 = {"type": "plain", "model_id": "smollm2-135m-instruct"}
+
+
+def entry(model_id: str, load: bool = False, **extra: Any) -> dict[str, Any]:
+    return {"spec": {"model_id": model_id, "which": SMOLLM2}, "load": load, **extra}
+
+
+async def registry(tmp_path: Path, apps: FakeModelApps, models: list[dict[str, Any]], **config: Any) -> Registry:
+    found = Registry(str(tmp_path / "registry.json"), apps=apps)
+    await found.bootstrap({"models": models, **config})
+    return found
+
+
+def app(registry: Registry, model_id: str) -> str:
+    return registry.state.models[model_id].spec.app_name
+
+
+async def test_concurrent_requests_share_one_load(tmp_path: Path) -> None:
+    apps = FakeModelApps(start_s=0.05)
+    reg = await registry(tmp_path, apps, [entry("a")])
+    assert await reg.status("a") == "unloaded"
+    loaded = await asyncio.gather(*(reg.ensure_loaded("a") for _ in range(8)))
+    assert loaded == ["a"] * 8
+    assert apps.deploys(app(reg, "a")) == 1
+    assert await reg.status("a") == "loaded"
+
+
+async def test_a_failed_load_leaves_the_model_unloaded_with_its_error(tmp_path: Path) -> None:
+    apps = FakeModelApps(failing={"a"})
+    reg = await registry(tmp_path, apps, [entry("a")])
+    with pytest.raises(ModelLoadError):
+        await reg.ensure_loaded("a")
+    card = await reg.card("a")
+    assert card["status"] == "unloaded" and "failed to start" in card["last_error"]
+    assert ("delete", app(reg, "a")) in apps.calls  # no half-started app is left
+    apps.failing.clear()
+    assert await reg.ensure_loaded("a") == "a"  # and the next request loads it
+
+
+async def test_unload_stop_scales_to_zero_and_sleep_keeps_the_replica(tmp_path: Path) -> None:
+    apps = FakeModelApps()
+    reg = await registry(tmp_path, apps, [entry("a", load=True)])
+    await reg.ensure_loaded("a")
+    await reg.unload("a", "sleep")
+    assert ("sleep", app(reg, "a")) in apps.calls and await reg.status("a") == "unloaded"
+    await reg.ensure_loaded("a")
+    assert ("wake", app(reg, "a")) in apps.calls and apps.deploys(app(reg, "a")) == 1  # woken, not redeployed
+    await reg.unload("a", "stop")
+    assert ("scale_to_zero", app(reg, "a")) in apps.calls
+    assert (await reg.card("a"))["unloaded_reason"] == "user"
+
+
+async def test_max_loaded_models_evicts_the_least_recently_used(tmp_path: Path) -> None:
+    apps = FakeModelApps()
+    reg = await registry(tmp_path, apps, [entry("a"), entry("b"), entry("c")], max_loaded_models=2)
+    await reg.ensure_loaded("a")
+    await reg.ensure_loaded("b")
+    await reg.ensure_loaded("a")  # a is now the more recently used
+    await reg.ensure_loaded("c")
+    statuses = {mid: await reg.status(mid) for mid in "abc"}
+    assert statuses == {"a": "loaded", "b": "unloaded", "c": "loaded"}
+    assert (await reg.card("b"))["unloaded_reason"].startswith("evicted")
+
+
+async def test_a_pinned_model_is_not_evicted(tmp_path: Path) -> None:
+    apps = FakeModelApps()
+    reg = await registry(tmp_path, apps, [entry("a", pinned=True), entry("b"), entry("c")], max_loaded_models=2)
+    for model_id in "abc":
+        await reg.ensure_loaded(model_id)
+    assert [await reg.status(mid) for mid in "abc"] == ["loaded", "unloaded", "loaded"]
+
+
+async def test_keep_alive_unloads_an_idle_model(tmp_path: Path) -> None:
+    apps = FakeModelApps()
+    reg = await registry(tmp_path, apps, [entry("a", keep_alive="0.2s")])
+    await reg.ensure_loaded("a")
+    for _ in range(100):
+        if await reg.status("a") == "unloaded":
+            break
+        await asyncio.sleep(0.05)
+    assert (await reg.card("a"))["unloaded_reason"] == "idle"
+
+
+async def test_remove_waits_for_no_load_and_leaves_no_app(tmp_path: Path) -> None:
+    """A remove during a load is refused (409, the load goes on); after it, the remove deletes the app."""
+    apps = FakeModelApps(start_s=0.2)
+    reg = await registry(tmp_path, apps, [entry("a"), entry("b")])
+    name = app(reg, "a")
+    load = asyncio.ensure_future(reg.ensure_loaded("a"))
+    await asyncio.sleep(0.05)
+    with pytest.raises(ModelReloadingError):
+        await reg.remove("a")
+    assert await load == "a"
+    await reg.remove("a")
+    assert name not in apps.apps
+    with pytest.raises(ModelNotFoundError):
+        await reg.status("a")
+
+
+async def test_a_restarted_registry_adopts_what_runs_and_keeps_what_was_unloaded(tmp_path: Path) -> None:
+    apps = FakeModelApps()
+    reg = await registry(tmp_path, apps, [entry("a", load=True), entry("b", load=True)])
+    await reg.ensure_loaded("a")
+    await reg.ensure_loaded("b")
+    await reg.unload("b")
+    again = Registry(str(tmp_path / "registry.json"), apps=apps)  # the same state file, the same apps
+    assert await again.status("a") == "loaded" and await again.status("b") == "unloaded"
+    assert apps.deploys(app(reg, "a")) == 1  # adopted, not redeployed
+    saved = json.loads((tmp_path / "registry.json").read_text())
+    assert set(saved["models"]) == {"a", "b"}
