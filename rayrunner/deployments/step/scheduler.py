@@ -33,6 +33,7 @@ import torch
 
 from rayrunner.deployments.engine import GenerationEvent, TokenLogprob
 from rayrunner.deployments.sampling_params import SamplingParams
+from rayrunner.deployments.step.admission import Admission
 from rayrunner.deployments.step.compute_thread import ComputeThread
 from rayrunner.deployments.step.detokenizer import Detokenizer
 from rayrunner.deployments.step.fast_decode import FastDecode
@@ -74,6 +75,7 @@ class StepScheduler:
         self.fast_decode: FastDecode | None = None  # set by `start`, on the compute thread
         self.device = model.device
         self.limits = limits
+        self.admission = Admission(limits.prefill_chunk_tokens, adapters.max_adapters if adapters else None)
         self.max_running = limits.max_num_seqs if mergeable(model.config) else 1
         if self.max_running < limits.max_num_seqs:
             logger.warning("this model's KV cache cannot be shared by several sequences: one runs at a time")
@@ -244,44 +246,16 @@ class StepScheduler:
         self._retire()
 
     def _admit(self) -> list[Sequence]:
-        """Take the waiting sequences to prefill this step, within the free slots and the chunk's token budget: a
-        group of whole prompts (now `_prefilling`), or one long prompt that starts `_chunking`."""
-        budget = self.limits.prefill_chunk_tokens
-        group: list[Sequence] = []
+        """Take the waiting sequences to prefill this step (`Admission`): a group of whole prompts (now
+        `_prefilling`), or one long prompt that starts `_chunking`."""
         with self._cond:
-            free = self._free_slots()
-            while self._waiting and sum(s.slots for s in group) + self._waiting[0].slots <= free:
-                candidate = self._waiting[0]
-                alone = self._alone(candidate)
-                longest = max([len(s.prompt_ids) for s in group] + [len(candidate.prompt_ids)])
-                if group and (alone or self._alone(group[0]) or longest * (len(group) + 1) > budget):
-                    break
-                if not self._adapter_room(candidate, group):
-                    break
-                group.append(self._waiting.popleft())
-                if alone:
-                    break
-            if len(group) == 1 and self._needs_chunks(group[0]):
+            count = self.admission.group(self._waiting, self._running, self._free_slots())
+            group = [self._waiting.popleft() for _ in range(count)]
+            if len(group) == 1 and self.admission.needs_chunks(group[0]):
                 self._chunking = (group[0], BatchCache(new_cache(self.model.config), self._empty_mask(1)))
                 return []
             self._prefilling = group
         return group
-
-    def _adapter_room(self, candidate: Sequence, group: list[Sequence]) -> bool:
-        """Whether `candidate` may start without more than `max_adapters` adapters in use (call with the lock held:
-        it reads `_running`)."""
-        if self.adapters is None or candidate.adapter is None:
-            return True
-        in_use = {s.adapter for s in [*self._running, *group] if s.adapter is not None}
-        return candidate.adapter in in_use or len(in_use) < self.adapters.max_adapters
-
-    def _alone(self, sequence: Sequence) -> bool:
-        """Prefilled in a pass of its own: images, a prompt scored for logprobs, or a prompt of several chunks."""
-        return bool(sequence.extra_inputs) or sequence.params.prompt_logprobs or self._needs_chunks(sequence)
-
-    def _needs_chunks(self, sequence: Sequence) -> bool:
-        """A text prompt longer than one chunk is prefilled over several steps (images need one pass)."""
-        return not sequence.extra_inputs and len(sequence.prompt_ids) > self.limits.prefill_chunk_tokens
 
     def _prefill(self) -> None:
         if self._chunking is None:

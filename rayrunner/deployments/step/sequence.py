@@ -64,6 +64,11 @@ class Sequence:
         """Running-sequence slots the request takes once prefilled."""
         return 1 + len(self.forks)
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's tokens are scored (completions `echo` with logprobs)."""
+        return self.params.prompt_logprobs
+
     def sampling_row(self, device: torch.device) -> SamplingRow:
         if self.row is None:
             self.row = SamplingRow(self.params, self.prompt_ids, self.output_ids,

@@ -1,0 +1,67 @@
+"""Which waiting sequences start at the next step: the scheduler's admission policy, apart from its execution.
+
+A step prefills either one group of whole prompts, left-padded into one batch, or one chunk of a long prompt. The
+group is taken from the head of the queue, in order, while it fits the free sequence slots and the chunk's token
+budget (its longest prompt times its size); a prompt that needs a pass of its own (images, prompt logprobs, a
+prompt longer than one chunk) goes alone; a sequence for a LoRA adapter waits while `max_adapters` others are in
+use. Pure logic over the sequences' sizes: tested without a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+
+class Waiting(Protocol):
+    """What admission reads of a sequence."""
+
+    prompt_ids: list[int]
+    extra_inputs: dict[str, Any]
+    adapter: str | None
+
+    @property
+    def slots(self) -> int: ...  # sequence slots it holds once running (1 + its forks)
+
+    @property
+    def scores_prompt(self) -> bool: ...  # its prompt's logprobs are scored, in a pass of its own
+
+
+class Admission:
+    """The admission policy of one scheduler: `chunk_tokens` per prefill pass, at most `max_adapters` LoRA adapters
+    in use (None: no adapters)."""
+
+    def __init__(self, chunk_tokens: int, max_adapters: int | None = None) -> None:
+        self.chunk_tokens = chunk_tokens
+        self.max_adapters = max_adapters
+
+    def group(self, waiting: Sequence[Waiting], running: Iterable[Waiting], free_slots: int) -> int:
+        """How many sequences from the head of `waiting` start prefilling together now."""
+        taken: list[Waiting] = []
+        in_use = {s.adapter for s in running if s.adapter is not None}
+        for candidate in waiting:
+            if sum(s.slots for s in taken) + candidate.slots > free_slots:
+                break
+            alone = self.alone(candidate)
+            longest = max([len(s.prompt_ids) for s in taken] + [len(candidate.prompt_ids)])
+            if taken and (alone or self.alone(taken[0]) or longest * (len(taken) + 1) > self.chunk_tokens):
+                break
+            if not self._adapter_room(candidate, in_use | {s.adapter for s in taken if s.adapter is not None}):
+                break
+            taken.append(candidate)
+            if alone:
+                break
+        return len(taken)
+
+    def alone(self, sequence: Waiting) -> bool:
+        """Prefilled in a pass of its own: images, a prompt scored for logprobs, or a prompt of several chunks."""
+        return bool(sequence.extra_inputs) or sequence.scores_prompt or self.needs_chunks(sequence)
+
+    def needs_chunks(self, sequence: Waiting) -> bool:
+        """A text prompt longer than one chunk is prefilled over several steps (images need one pass)."""
+        return not sequence.extra_inputs and len(sequence.prompt_ids) > self.chunk_tokens
+
+    def _adapter_room(self, candidate: Waiting, in_use: set[str | None]) -> bool:
+        if self.max_adapters is None or candidate.adapter is None:
+            return True
+        return candidate.adapter in in_use or len(in_use) < self.max_adapters
