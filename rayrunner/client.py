@@ -36,6 +36,7 @@ from rayrunner.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
 )
+from rayrunner.runtime import ray_private
 from rayrunner.runtime.warm_workers import CLUSTER_ENV
 
 APP_NAME = "rayrunner"
@@ -312,7 +313,6 @@ def _start_ray(address: str | None, log_level: str | int, attach_only: bool = Fa
     Without an address it joins only a cluster named by `RAY_ADDRESS` or started with `ray start`, never some
     other process's private cluster that `address="auto"` would find."""
     import ray
-    from ray._private.utils import read_ray_address
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -327,7 +327,7 @@ def _start_ray(address: str | None, log_level: str | int, attach_only: bool = Fa
     if attach_only:
         ray.init(address=address, **quiet)
         return False
-    existing = address or os.environ.get("RAY_ADDRESS") or read_ray_address()
+    existing = address or os.environ.get("RAY_ADDRESS") or ray_private.read_ray_address()
     if existing:
         ray.init(address=existing, **quiet)
         return False

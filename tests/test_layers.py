@@ -12,8 +12,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "rayrunner"
 # Lowest first: a module may import from its own layer and the ones before it (docs/architecture.md draws them).
 LAYERS = [
-    {"errors", "protocol", "unsupported_fields", "models", "quantization"},
-    {"runtime"},
+    {"errors", "runtime"},
+    {"protocol", "unsupported_fields", "models", "quantization"},
     {"deployments"},
     {"registry"},
     {"router"},

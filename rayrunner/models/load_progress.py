@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 
 from tqdm.auto import tqdm
 
+from rayrunner.runtime import ray_private
+
 # Under Serve's logger, as Serve asks of replica code: its lines then land in the replica's log file (a plain module
 # logger's INFO lines go nowhere in a replica), and a Runner's `log_level` (set on "ray.serve") governs them elsewhere.
 logger = logging.getLogger("ray.serve").getChild(__name__)
@@ -32,30 +34,18 @@ def _key(app: str) -> str:
     return f"load_progress:{app}"
 
 
-def _kv() -> Any:
-    """Ray's internal KV module when this process is connected to a cluster, else None (a load outside Ray)."""
-    from ray.experimental import internal_kv
-
-    return internal_kv if internal_kv._internal_kv_initialized() else None
-
-
 def read(app: str) -> dict[str, Any] | None:
     """The load progress published for the model app `app`, or None when nothing is loading there."""
-    kv = _kv()
-    value = kv._internal_kv_get(_key(app), namespace=KV_NAMESPACE) if kv is not None else None
+    value = ray_private.kv_get(_key(app), KV_NAMESPACE)
     return json.loads(value) if value else None
 
 
 def _put(app: str, value: dict[str, Any]) -> None:
-    kv = _kv()
-    if kv is not None:
-        kv._internal_kv_put(_key(app), json.dumps(value), True, namespace=KV_NAMESPACE)
+    ray_private.kv_put(_key(app), json.dumps(value), KV_NAMESPACE)
 
 
 def clear(app: str) -> None:
-    kv = _kv()
-    if kv is not None:
-        kv._internal_kv_del(_key(app), namespace=KV_NAMESPACE)
+    ray_private.kv_delete(_key(app), KV_NAMESPACE)
 
 
 def for_model(app: str, model_id: str) -> LoadProgress:

@@ -28,6 +28,7 @@ from rayrunner.deployments.model_server import DEPLOYMENT, model_deployment
 from rayrunner.errors import ModelLoadError, ModelTimeoutError
 from rayrunner.models.spec import ModelSpec
 from rayrunner.registry.placement import check_placeable
+from rayrunner.runtime import ray_private
 from rayrunner.runtime.warm_workers import SPARE_DELAY_S, WarmSpares
 
 _POLL_S = 0.2
@@ -54,9 +55,7 @@ def dashboard_url() -> str:
     """`$RAYRUNNER_DASHBOARD_URL`, else the address the cluster published for its dashboard."""
     url = os.environ.get("RAYRUNNER_DASHBOARD_URL")
     if not url:
-        from ray._private.services import get_webui_url_from_internal_kv
-
-        url = get_webui_url_from_internal_kv()
+        url = ray_private.dashboard_url()
     if not url:
         raise ModelLoadError("the Ray dashboard is not running; rayrunner scales models through it")
     return url if url.startswith("http") else f"http://{url}"

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 
 from rayrunner.errors import UnplaceableModelError
 from rayrunner.models.spec import EngineSettings, ModelSpec
+from rayrunner.runtime import ray_private
 
 SKIP_ENV = "RAYRUNNER_PLACEMENT_CHECK"
 ACCELERATOR_PREFIX = "accelerator_type:"
@@ -87,9 +88,7 @@ def check_placeable(spec: ModelSpec) -> None:
 def autoscaler_node_types() -> list[dict[str, float]]:
     """The per-node resources of each node type the autoscaler may still add; empty without an autoscaler."""
     try:
-        from ray._private.state import state
-
-        config = state.get_cluster_config()
+        config = ray_private.cluster_config()
     except Exception:  # an older Ray, or no GCS access: judge by the alive nodes alone
         return []
     if config is None:

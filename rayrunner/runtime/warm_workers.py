@@ -24,6 +24,7 @@ import logging
 import time
 from typing import Any, cast
 
+from rayrunner.runtime import ray_private
 from rayrunner.runtime import transport as serve_transport
 
 logger = logging.getLogger(__name__)
@@ -51,14 +52,13 @@ def prestart_worker(worker: dict[str, Any], keep_alive_s: int = KEEP_ALIVE_S) ->
     """Ask the raylet of the replica's node to start one idle worker with the replica's job and runtime env;
     False when that node is gone (nothing to ask)."""
     import ray
-    from ray._private.grpc_utils import init_grpc_channel
     from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc, runtime_environment_pb2
 
     common, manager, runtime_env = cast(Any, (common_pb2, node_manager_pb2, runtime_environment_pb2))  # no stubs
     node = next((n for n in ray.nodes() if n["NodeID"] == worker["node_id"] and n["Alive"]), None)
     if node is None:
         return False
-    channel = init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
+    channel = ray_private.grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
     try:
         request = manager.PrestartWorkersRequest(
             language=common.PYTHON, job_id=bytes.fromhex(worker["job_id"]),

@@ -1,0 +1,40 @@
+"""Ray's private APIs that rayrunner uses (`rayrunner.runtime.ray_private`) still exist with the shape it uses: a Ray
+upgrade that moves one fails here, by name."""
+
+from __future__ import annotations
+
+import inspect
+
+from rayrunner.runtime import ray_private
+
+
+def test_the_private_functions_exist_with_the_arguments_used() -> None:
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray._private.services import get_webui_url_from_internal_kv
+    from ray._private.state import state
+    from ray._private.utils import read_ray_address
+    from ray.experimental import internal_kv
+
+    assert not inspect.signature(read_ray_address).parameters or all(
+        p.default is not inspect.Parameter.empty for p in inspect.signature(read_ray_address).parameters.values())
+    assert not inspect.signature(get_webui_url_from_internal_kv).parameters
+    assert "address" in inspect.signature(init_grpc_channel).parameters
+    assert callable(state.get_cluster_config)
+    for name, argument in (("_internal_kv_get", "namespace"), ("_internal_kv_put", "namespace"),
+                           ("_internal_kv_del", "namespace")):
+        assert argument in inspect.signature(getattr(internal_kv, name)).parameters
+    assert callable(internal_kv._internal_kv_initialized)
+
+
+def test_without_a_cluster_the_kv_is_absent_and_reads_nothing() -> None:
+    assert ray_private.internal_kv() is None or ray_private.kv_get("rayrunner-test-missing", "rayrunner") is None
+    ray_private.kv_put("rayrunner-test", "x", "rayrunner")  # no cluster: a no-op, not an error
+    ray_private.kv_delete("rayrunner-test", "rayrunner")
+
+
+def test_the_raylet_prestart_request_still_has_the_fields_used() -> None:
+    from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+
+    fields = set(node_manager_pb2.PrestartWorkersRequest.DESCRIPTOR.fields_by_name)
+    assert {"language", "job_id", "runtime_env_info", "keep_alive_duration_secs", "num_workers"} <= fields
+    assert hasattr(node_manager_pb2_grpc.NodeManagerServiceStub, "__init__")
