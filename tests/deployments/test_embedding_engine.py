@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rayrunner.deployments.embedding_engine import EmbeddingEngine, Pooling, pool, read_pooling
-from rayrunner.deployments.engine import SamplingParams
+from rayrunner.deployments.sampling_params import SamplingParams
 from rayrunner.errors import ModelLoadError, UnsupportedRequestError
 from rayrunner.models.spec import build_spec
 from rayrunner.protocol import ChatCompletionRequest

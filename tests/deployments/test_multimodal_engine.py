@@ -12,8 +12,9 @@ import pytest
 from PIL import Image
 from safetensors.torch import load_file
 
-from rayrunner.deployments.engine import GenerationEvent, SamplingParams
+from rayrunner.deployments.engine import GenerationEvent
 from rayrunner.deployments.multimodal_engine import MultimodalEngine, to_conversation
+from rayrunner.deployments.sampling_params import SamplingParams
 from rayrunner.deployments.step.detokenizer import StopFilter
 from rayrunner.errors import InvalidRequestError
 from rayrunner.models.spec import build_spec

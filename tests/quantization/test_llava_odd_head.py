@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from rayrunner.deployments.engine import SamplingParams
 from rayrunner.deployments.multimodal_engine import MultimodalEngine
+from rayrunner.deployments.sampling_params import SamplingParams
 from rayrunner.models.spec import build_spec
 from rayrunner.protocol import ChatCompletionRequest
 from tests.tiny_models import ODD_HEAD_SIZE, build_tiny_llava_odd_head, image_data_url
