@@ -34,7 +34,7 @@ from rayrunner.registry.config import RegistryConfig
 from rayrunner.router import cards, timeouts
 from rayrunner.router.gate import Gate
 from rayrunner.router.responses_api import ResponsesRequest, event_frames, stream_events, to_chat_request, to_response
-from rayrunner.router.service import _GENERATES, RouterService
+from rayrunner.router.service import _GENERATES, ModelCall, ModelStream, RegistryCall, RouterService
 from rayrunner.runtime import logs, metrics
 from rayrunner.runtime.app_args import builder_args
 from rayrunner.runtime.ready_batches import ready_batches
@@ -291,7 +291,7 @@ class Router:
         chat = validated(ChatCompletionRequest, to_chat_request(request))
         return stream_events(chunks_of(await self._open_stream("chat_stream", chat)), request)
 
-    async def _infer(self, method: str, body: dict[str, Any], kinds: set[str]) -> dict[str, Any]:
+    async def _infer(self, method: ModelCall, body: dict[str, Any], kinds: set[str]) -> dict[str, Any]:
         limits = self.service.config.limits
         try:
             if kinds == _GENERATES:
@@ -303,7 +303,7 @@ class Router:
         metrics.request(self.service.model_label(body["model"]), method, 200)
         return result
 
-    async def _open_stream(self, method: str, body: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
+    async def _open_stream(self, method: ModelStream, body: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
         """The model's stream of chunk batches, its first already received (errors surface here, before any
         output)."""
         limits = self.service.config.limits
@@ -365,7 +365,7 @@ class Router:
     async def unpin_model(self, model: str) -> dict[str, Any]:
         return await self._admin("set_pinned", model, False)
 
-    async def _admin(self, operation: str, *args: Any) -> Any:
+    async def _admin(self, operation: RegistryCall, *args: Any) -> Any:
         try:
             return await self.service.admin(operation, *args)
         except Exception as exc:

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -29,7 +29,13 @@ T = TypeVar("T")
 _WATCH_S = 2.0
 _GENERATES = {"text", "multimodal"}
 # Registry operations that change routes: after one, this replica re-reads the table before answering.
-_MUTATIONS = {"unload", "reload", "add", "remove", "set_default", "add_alias"}
+# The methods called by name across a Ray boundary, as types: mypy checks every call site, and
+# tests/router/test_typed_calls.py that each still names a method of `ModelServer` or `Registry`.
+ModelCall = Literal["chat", "complete", "embed"]
+ModelStream = Literal["chat_stream", "complete_stream"]
+RegistryCall = Literal["cards", "card", "status", "default_id", "unload", "reload", "add", "remove", "set_default",
+                       "add_alias", "set_pinned"]
+_MUTATIONS: frozenset[RegistryCall] = frozenset({"unload", "reload", "add", "remove", "set_default", "add_alias"})
 
 
 class RouterService:
@@ -47,7 +53,7 @@ class RouterService:
 
     # ------------------------------------------------------------ inference
 
-    async def call(self, name: str, method: str, body: dict[str, Any], kinds: set[str]) -> dict[str, Any]:
+    async def call(self, name: str, method: ModelCall, body: dict[str, Any], kinds: set[str]) -> dict[str, Any]:
         """Unary call of `method` on the model named `name`, reloading it first if it is unloaded."""
         target = await self._target(name, kinds)
         serving = _serving_id(target)
@@ -57,7 +63,7 @@ class RouterService:
             result: dict[str, Any] = await self._guard(getattr(handle, method).remote(_for(target, body)), serving)
         return result
 
-    async def stream(self, name: str, method: str, body: dict[str, Any], kinds: set[str]) -> AsyncIterator[Any]:
+    async def stream(self, name: str, method: ModelStream, body: dict[str, Any], kinds: set[str]) -> AsyncIterator[Any]:
         """Streaming call. The first item is awaited before returning, so errors surface before any output. The
         request counts as open until the stream ends, or is dropped unread."""
         target = await self._target(name, kinds)
@@ -139,7 +145,7 @@ class RouterService:
 
     # ------------------------------------------------------------ admin
 
-    async def admin(self, operation: str, *args: Any) -> Any:
+    async def admin(self, operation: RegistryCall, *args: Any) -> Any:
         """Forward a registry operation (cards, unload, reload, add, remove, set_default, add_alias, ...)."""
         try:
             return await getattr(self.registry, operation).remote(*args)

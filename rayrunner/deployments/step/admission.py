@@ -38,7 +38,7 @@ class Admission:
     def group(self, waiting: Sequence[Waiting], running: Iterable[Waiting], free_slots: int) -> int:
         """How many sequences from the head of `waiting` start prefilling together now."""
         taken: list[Waiting] = []
-        in_use = {s.adapter for s in running if s.adapter is not None}
+        in_use: set[str] = {s.adapter for s in running if s.adapter is not None}
         for candidate in waiting:
             if sum(s.slots for s in taken) + candidate.slots > free_slots:
                 break
@@ -61,7 +61,7 @@ class Admission:
         """A text prompt longer than one chunk is prefilled over several steps (images need one pass)."""
         return not sequence.extra_inputs and len(sequence.prompt_ids) > self.chunk_tokens
 
-    def _adapter_room(self, candidate: Waiting, in_use: set[str | None]) -> bool:
+    def _adapter_room(self, candidate: Waiting, in_use: set[str]) -> bool:
         if self.max_adapters is None or candidate.adapter is None:
             return True
         return candidate.adapter in in_use or len(in_use) < self.max_adapters
