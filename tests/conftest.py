@@ -28,7 +28,9 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 def free_port() -> int:
     """A free port between Ray's worker ports (10002-19999) and the kernel's ephemeral range, which Ray's own
     processes draw from after this check."""
-    for port in random.sample(range(20000, 30000), 200):
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)  # pytest -n: a range each
+    low = 20000 + (worker % 4) * 2500
+    for port in random.sample(range(low, low + 2500), 200):
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
