@@ -41,7 +41,10 @@ def test_storm_of_requests_and_lifecycle_changes(storm_service: tuple[Service, M
     assert {"reload 200", "reload 409 model_already_loaded"} & set(tally.operations)
     assert settle(service.http, check_serve=True) == []
     target = models.text[0]
-    for operation in ("unload", "reload"):  # and once without a race, each succeeds
+    # The storm's last operation may have left it unloaded: a request loads it, then each operation, without a race,
+    # succeeds
+    assert service.chat("before the checks", model=target, max_tokens=2).status_code == 200
+    for operation in ("unload", "reload"):
         response = service.http.post(f"/v1/models/{operation}", json={"model_id": target})
         assert response.status_code == 200, response.text
     after = service.chat("after the storm", model="sa", max_tokens=2)
