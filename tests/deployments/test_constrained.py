@@ -43,7 +43,7 @@ EMPLOYEE = {
 @pytest.fixture(scope="module")
 def smollm2() -> Iterator[TextEngine]:
     torch.set_num_threads(2)
-    engine = TextEngine(build_spec("smol", {"type": "plain", "model_id": "smollm2-135m-instruct"}))
+    engine = TextEngine(build_spec("smol", {"type": "plain", "model_id": "smollm2-135m-instruct", "dtype": "f32"}))
     yield engine
     engine.close()
 
@@ -325,10 +325,10 @@ async def test_the_greedy_replies_that_ran_away_now_end(smollm2: TextEngine) -> 
     jsonschema.validate(json.loads(text), strict)
 
 
-async def test_twenty_sampled_replies_all_validate(smollm2: TextEngine) -> None:
+async def test_sampled_replies_all_validate(smollm2: TextEngine) -> None:
     request = _request(_schema_format(EMPLOYEE), "Describe a fictional employee as JSON with name, age, role and "
                        "skills.")
-    for text, reason in await _replies(smollm2, [request] * 20, seeds=list(range(20))):
+    for text, reason in await _replies(smollm2, [request] * 10, seeds=list(range(10))):
         assert reason == "stop", text
         jsonschema.validate(json.loads(text), EMPLOYEE)
 

@@ -5,7 +5,7 @@ must parse, validate and end by itself: under a plain JSON grammar these ran to 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
@@ -14,8 +14,7 @@ import pytest
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
 
-from rayrunner.models.sources import SMOLLM2
-from tests.conftest import Service, model_entry
+from tests.conftest import Service
 
 MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 200  # the replies take 25-90 tokens: only a runaway reaches this
@@ -52,14 +51,6 @@ CORPUS: list[tuple[type[BaseModel], str]] = [
     (Recipe, "Suggest a dish to cook tonight, with its cuisine and ingredients. Answer in JSON."),
 ]
 DECODING: dict[str, dict[str, Any]] = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.7, "seed": 7}}
-
-
-@pytest.fixture(scope="module")
-def service(cluster: dict[str, Any]) -> Iterator[Service]:
-    config = {"models": [model_entry(MODEL, SMOLLM2)], "state_path": str(cluster["state_dir"] / "structured.json")}
-    svc = Service(cluster, config)
-    yield svc
-    svc.close()
 
 
 @pytest.fixture(scope="module")

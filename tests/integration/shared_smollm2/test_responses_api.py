@@ -4,12 +4,11 @@ router and SmolLM2 on a real cluster."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.conftest import Service, model_entry
+from tests.conftest import Service
 
 QUESTION = "What is the capital of France?"
 INSTRUCTIONS = "You are a geography teacher. Answer in one sentence."
@@ -17,17 +16,6 @@ CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "cou
                "required": ["city", "country"], "additionalProperties": False}
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The current weather in a city.",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-
-
-@pytest.fixture(scope="module")
-def service(cluster: dict[str, Any]) -> Iterator[Service]:
-    config = {
-        "models": [model_entry("smollm2-135m-instruct", "smollm2-135m-instruct", aliases=["smol"])],
-        "state_path": str(cluster["state_dir"] / "responses.json"),
-    }
-    svc = Service(cluster, config)
-    yield svc
-    svc.close()
 
 
 @pytest.fixture(scope="module")

@@ -5,27 +5,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-import pytest
 from ray import serve
 
 from rayrunner.deployments.model_server import DEPLOYMENT
-from tests.conftest import Service, model_entry
+from tests.conftest import Service
 
 MODEL = "smollm2-135m-instruct"
-
-
-@pytest.fixture(scope="module")
-def service(cluster: dict[str, Any]) -> Iterator[Service]:
-    config = {"models": [model_entry(MODEL, MODEL)], "state_path": str(cluster["state_dir"] / "scheduling.json")}
-    svc = Service(cluster, config)
-    assert svc.chat("Hi", model=MODEL, max_tokens=2).status_code == 200  # loaded (the load runs in the background)
-    yield svc
-    svc.close()
 
 
 def scheduler_stats() -> dict[str, int]:
