@@ -6,6 +6,7 @@ import contextlib
 import os
 import random
 import socket
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,8 +109,13 @@ def cleanup_serve() -> None:
 
     from rayrunner.registry.actor import NAMESPACE, REGISTRY_NAME
 
-    for app in list(serve.status().applications):
-        serve.delete(app)
+    apps = list(serve.status().applications)
+    for app in apps:  # all at once, then wait: deleting one by one takes ~1 s each
+        serve.delete(app, _blocking=False)
+    deadline = time.monotonic() + 60
+    while set(apps) & set(serve.status().applications):
+        assert time.monotonic() < deadline, f"apps not deleted: {list(serve.status().applications)}"
+        time.sleep(0.1)
     for actor in ray.util.list_named_actors(all_namespaces=True):  # every service's registry
         if actor["namespace"] == NAMESPACE and actor["name"].startswith(REGISTRY_NAME):
             with contextlib.suppress(ValueError):  # gone meanwhile

@@ -47,7 +47,8 @@ class FakeModelApps:
                         deployment_status="HEALTHY" if settled else "UPDATING", running=running, total=running)
 
     async def deployed_args(self, app: str) -> dict[str, Any] | None:
-        return None
+        found = self.apps.get(app)
+        return None if found is None else found.spec.model_dump(mode="json")
 
     async def deploy(self, spec: ModelSpec) -> None:
         self.calls.append(("deploy", spec.app_name))

@@ -1,9 +1,11 @@
 """The registry's lifecycle logic in process, against an in-memory `ModelApps` (no cluster): single-flight loads,
-failures, unload modes, eviction, keep_alive, remove races and reconciliation with what already runs."""
+failures, unload modes, eviction, keep_alive, remove races, reconciliation with what already runs, and an edited
+config applied over a saved state (over Serve: integration/test_serve_config.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -124,3 +126,37 @@ async def test_a_restarted_registry_adopts_what_runs_and_keeps_what_was_unloaded
     assert apps.deploys(app(reg, "a")) == 1  # adopted, not redeployed
     saved = json.loads((tmp_path / "registry.json").read_text())
     assert set(saved["models"]) == {"a", "b"}
+
+
+async def test_an_edited_config_wins_for_what_it_declares_and_runtime_changes_stay(tmp_path: Path) -> None:
+    apps = FakeModelApps()
+    models = [entry("m1", load=True, aliases=["one"]), entry("m2")]
+    reg = await registry(tmp_path, apps, models, default_model="m1")
+    await reg.ensure_loaded("m1")
+    await reg.set_default("m2")  # runtime changes: a default, an alias, a model
+    await reg.add_alias("m1", "uno")
+    await reg.add(entry("extra"))
+    edited = copy.deepcopy(models)
+    edited[0]["spec"]["in_situ_quant"] = "Q8_0"
+    again = await registry(tmp_path, apps, edited, default_model="m1")  # restarted, from the same file
+    assert await again.ensure_loaded("m1") == "m1"
+    assert apps.deploys(app(again, "m1")) == 2  # redeployed: it ran the spec the config replaced
+    card = await again.card("m1")
+    assert card["spec"]["in_situ_quant"] == "Q8_0" and card["aliases"] == ["one", "uno"]
+    assert await again.default_id() == "m2"  # the config's default did not change: the runtime one stays
+    assert await again.status("extra") == "unloaded"
+    await again.bootstrap({"models": edited, "default_model": "one"})  # the same registry, a new default
+    assert await again.default_id() == "m1"
+    assert apps.deploys(app(again, "m1")) == 2  # an unchanged spec is not redeployed
+
+
+async def test_without_a_model_of_its_kind_left_there_is_no_default(tmp_path: Path) -> None:
+    embedding = {"spec": {"model_id": "emb", "which": {"type": "embedding", "model_id": "all-minilm-l6-v2"}},
+                 "load": False}
+    reg = await registry(tmp_path, FakeModelApps(), [entry("m1", load=True), entry("m2"), embedding],
+                         default_model="m1")
+    await reg.ensure_loaded("m1")  # a remove during the load is a 409 (test above)
+    for model in ("m1", "m2"):
+        await reg.remove(model)
+    assert await reg.default_id() is None
+    assert not (await reg.card("emb"))["is_default"]

@@ -1,7 +1,9 @@
-"""Capacity and keep_alive on a real cluster: with `max_loaded_models: 2`, a third model evicts the least recently
-used idle one (its card says why), a request for an evicted model reloads it, a pinned model stays, a model busy with
-a stream is not evicted until the stream ends, and an idle model is unloaded when its keep_alive (the model's or
-the request's) runs out. Tiny random models; the tests run in order, each starting from the state the last left."""
+"""Capacity on a real cluster, where use is reported by routers and a stream holds its replica: with
+`max_loaded_models: 2`, a third model evicts the least recently used idle one (its card says why), a request for an
+evicted model reloads it, and a model busy with a stream is not evicted until the stream ends while a pinned one
+never is. Tiny random models; the tests run in order, each starting from the state the last left. The decisions
+themselves (pinning, keep_alive, bytes) run in process: tests/test_registry_lifecycle.py, test_capacity_logic.py;
+a keep_alive over HTTP: integration/test_lifecycle.py."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def service(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Service]:
         "models": [
             model_entry("m1", tiny_llama_dir),
             model_entry("m2", tiny_llama_dir),
-            model_entry("m3", tiny_llama_dir, load=False),
+            {**model_entry("m3", tiny_llama_dir, load=False), "pinned": True},
         ],
         "max_loaded_models": 2,
         "state_path": str(cluster["state_dir"] / "capacity.json"),
@@ -70,18 +72,6 @@ def test_a_request_for_an_evicted_model_reloads_it(service: Service) -> None:
     assert service.card("m2")["unloaded_reason"] is None
 
 
-def test_a_pinned_model_is_never_evicted(service: Service, tiny_llama_dir: str) -> None:
-    which = {"type": "plain", "model_id": tiny_llama_dir}
-    pinned = service.http.post("/v1/models/add", json={"model_id": "m3", "which": which, "pinned": True})
-    assert pinned.status_code in (200, 201) and pinned.json()["pinned"] is True
-    use(service, "m3", "m2")
-    use(service, "m1")  # m3 is the least recently used, but pinned
-    assert loaded(service) == {"m1", "m3"}
-    assert service.card("m2")["unloaded_reason"] == "evicted: max_loaded_models"
-    use(service, "m2")
-    assert loaded(service) == {"m2", "m3"} and service.card("m3")["pinned"] is True
-
-
 def test_a_model_streaming_is_not_evicted_mid_stream(service: Service) -> None:
     body = {"model": "m2", "messages": [{"role": "user", "content": "go"}], "max_tokens": 1500, "stream": True,
             "stop": []}
@@ -109,28 +99,3 @@ def test_a_model_streaming_is_not_evicted_mid_stream(service: Service) -> None:
     assert asked < ended["stream"] < ended["m1"]
     assert loaded(service) == {"m1", "m3"}
     assert service.card("m2")["unloaded_reason"] == "evicted: max_loaded_models"
-
-
-def test_keep_alive_unloads_an_idle_model(service: Service, tiny_llama_dir: str) -> None:
-    which = {"type": "plain", "model_id": tiny_llama_dir}
-    added = service.http.post("/v1/models/add", json={"model_id": "brief", "which": which, "keep_alive": "3s"})
-    assert added.status_code == 201, added.text
-    assert added.json()["keep_alive"] == "3s"
-    response = service.chat("hi", model="brief", max_tokens=2)
-    assert response.status_code == 200
-    done = time.monotonic()
-    wait_for(lambda: service.card("brief")["status"] == "unloaded", 30)
-    assert 2.0 <= time.monotonic() - done <= 8.0
-    assert service.card("brief")["unloaded_reason"] == "idle"
-    assert service.http.post("/v1/models/remove", json={"model_id": "brief"}).status_code == 200
-
-
-def test_a_request_keep_alive_sets_the_models_deadline(service: Service) -> None:
-    use(service, "m1", keep_alive="1s")
-    wait_for(lambda: service.card("m1")["status"] == "unloaded", 30)
-    assert service.card("m1")["unloaded_reason"] == "idle"
-    use(service, "m1")  # without keep_alive: the model's own (forever) again
-    time.sleep(3)
-    assert service.card("m1")["status"] == "loaded"
-    bad = service.chat("hi", model="m1", keep_alive="soon")
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "keep_alive"
