@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rayrunner.errors import ModelLoadError, ModelNotFoundError, ModelReloadingError
+from rayrunner.errors import CapacityError, ModelLoadError, ModelNotFoundError, ModelReloadingError
 from rayrunner.registry.actor import Registry
 from tests.fake_model_apps import FakeModelApps
 
@@ -160,3 +160,17 @@ async def test_without_a_model_of_its_kind_left_there_is_no_default(tmp_path: Pa
         await reg.remove(model)
     assert await reg.default_id() is None
     assert not (await reg.card("emb"))["is_default"]
+
+
+async def test_with_only_pinned_models_in_the_way_a_load_waits_then_fails_with_no_room(tmp_path: Path) -> None:
+    apps = FakeModelApps()
+    reg = await registry(tmp_path, apps, [entry("a", load=True, pinned=True), entry("b")], max_loaded_models=1,
+                         load_timeout_s=0.5)
+    await reg.ensure_loaded("a")
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(CapacityError) as raised:
+        await reg.ensure_loaded("b")
+    assert asyncio.get_running_loop().time() - started >= 0.5  # it waited for room first
+    assert raised.value.status == 503 and raised.value.code == "capacity_exhausted"
+    assert await reg.status("b") == "unloaded" and await reg.status("a") == "loaded"
+    assert apps.deploys(app(reg, "b")) == 0
