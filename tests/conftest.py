@@ -23,6 +23,7 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 for _name, _value in CLUSTER_ENV.items():  # warm spare workers, as users get
     os.environ.setdefault(_name, _value)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")  # test_metrics waits for an export (default 10 s)
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
@@ -83,7 +84,8 @@ class Service:
         from rayrunner.router.app import build_router_app
 
         # Tests add models from temporary folders: every source is allowed unless a test sets `sources` itself.
-        self.config = {"sources": {"local_roots": ["/"], "hub_orgs": ["*"]}, **config}
+        # Two spare workers: tests load models back to back, faster than one spare is replaced (~10 s of imports).
+        self.config = {"sources": {"local_roots": ["/"], "hub_orgs": ["*"]}, "warm_spares": 2, **config}
         serve.run(build_router_app(self.config), name="rayrunner", route_prefix="/")
         self.url = cluster["http"]
         self.http = httpx.Client(base_url=self.url, timeout=600)

@@ -110,5 +110,5 @@ class FakeModelApps:
     async def replica_asleep(self, app: str) -> bool:
         return await self.asleep(app)
 
-    async def after_load(self, app: str, deployed_at: float | None) -> None:
+    async def after_load(self, app: str, deployed_at: float | None, spares: int) -> None:
         self.calls.append(("after_load", app))

@@ -1,5 +1,5 @@
-"""The spare-worker policy (pure: the raylet call is replaced by a recorder): one spare waits per node, a spare a
-deploy took is replaced, and a spare that did not fit is not piled on."""
+"""The spare-worker policy (pure: the raylet call is replaced by a recorder): `per_node` spares wait per node, a
+spare a deploy took is replaced, and spares that did not fit are not piled on."""
 
 from __future__ import annotations
 
@@ -20,18 +20,18 @@ from rayrunner.runtime.warm_workers import WarmSpares
 @pytest.fixture
 def started(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
-    def record(worker: dict[str, Any], keep_alive_s: int) -> bool:
-        calls.append(worker["node_id"])
+    def record(worker: dict[str, Any], keep_alive_s: int, count: int = 1) -> bool:
+        calls.extend([worker["node_id"]] * count)
         return True
 
     monkeypatch.setattr(warm_workers, "prestart_worker", record)
     return calls
 
 
-def deployed(spares: WarmSpares, node: str, process_age_s: float) -> None:
+def deployed(spares: WarmSpares, node: str, process_age_s: float, per_node: int = 1) -> None:
     now = time.time()
     worker = {"node_id": node, "job_id": "01000000", "runtime_env": "{}", "process_started_at": now - process_age_s}
-    spares.after_deploy(worker, deployed_at=now)
+    spares.after_deploy(worker, deployed_at=now, per_node=per_node)
 
 
 def test_a_cold_deploy_asks_for_one_spare_and_a_warm_one_replaces_it(started: list[str]) -> None:
@@ -52,6 +52,17 @@ def test_a_spare_that_a_deploy_did_not_take_is_not_piled_on(started: list[str]) 
     assert started == ["n1"]
 
 
+def test_with_two_per_node_a_cold_deploy_asks_for_two_and_each_taken_one_is_replaced(started: list[str]) -> None:
+    spares = WarmSpares()
+    deployed(spares, "n1", process_age_s=0, per_node=2)
+    assert started == ["n1", "n1"]
+    deployed(spares, "n1", process_age_s=30, per_node=2)  # it took one: one more
+    deployed(spares, "n1", process_age_s=30, per_node=2)
+    assert started == ["n1"] * 4
+    deployed(spares, "n1", process_age_s=0, per_node=2)  # cold although two wait: none fits, none piled on
+    assert started == ["n1"] * 4
+
+
 def test_after_its_keep_alive_a_spare_is_asked_for_again(started: list[str]) -> None:
     spares = WarmSpares(keep_alive_s=0)
     deployed(spares, "n1", process_age_s=0)
@@ -62,7 +73,7 @@ def test_after_its_keep_alive_a_spare_is_asked_for_again(started: list[str]) -> 
 def test_a_failing_raylet_call_is_given_up_after_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
 
-    def refuse(worker: dict[str, Any], keep_alive_s: int) -> None:
+    def refuse(worker: dict[str, Any], keep_alive_s: int, count: int = 1) -> None:
         calls.append(worker["node_id"])
         raise RuntimeError("no such RPC")
 
@@ -86,16 +97,16 @@ def test_a_node_gone_before_its_spare_is_asked_for_stops_nothing(monkeypatch: py
     alive = {"n2"}
     calls: list[str] = []
 
-    def prestart(worker: dict[str, Any], keep_alive_s: int) -> bool:
+    def prestart(worker: dict[str, Any], keep_alive_s: int, count: int = 1) -> bool:
         calls.append(worker["node_id"])
         return worker["node_id"] in alive
 
     monkeypatch.setattr(warm_workers, "prestart_worker", prestart)
     spares = WarmSpares()
     deployed(spares, "n1", process_age_s=0)
-    assert not spares.broken and spares.waiting_until == {}
+    assert not spares.broken and spares.waiting == {"n1": []}
     deployed(spares, "n2", process_age_s=0)
-    assert calls == ["n1", "n2"] and set(spares.waiting_until) == {"n2"}
+    assert calls == ["n1", "n2"] and len(spares.waiting["n2"]) == 1 and not spares.waiting["n1"]
 
 
 def test_a_model_a_config_deployed_gets_a_spare_unless_one_waits(started: list[str]) -> None:

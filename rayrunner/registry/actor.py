@@ -357,7 +357,7 @@ class Registry(CapacityMixin):
             self._persist()
             metrics.model_loaded(spec.model_id, record.load_seconds, record.info.get("weight_bytes"))
             if deployed_at is not None or mode == "adopt":  # the next replica on that node starts in a warm worker
-                self._spawn(self.apps.after_load(spec.app_name, deployed_at))
+                self._spawn(self.apps.after_load(spec.app_name, deployed_at, self.config.warm_spares))
 
     async def _replica_up(self, record: ModelRecord, mode: LoadMode) -> tuple[dict[str, Any], float | None]:
         """Bring the model's replica up by `mode`: its info, and the wall time of a fresh deploy (None for a wake or

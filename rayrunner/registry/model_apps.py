@@ -207,7 +207,7 @@ class ModelApps(Protocol):
     async def wake(self, app: str) -> dict[str, Any]: ...
     async def asleep(self, app: str) -> bool: ...
     async def replica_asleep(self, app: str) -> bool: ...
-    async def after_load(self, app: str, deployed_at: float | None) -> None: ...
+    async def after_load(self, app: str, deployed_at: float | None, spares: int) -> None: ...
 
 
 class ServeModelApps:
@@ -254,11 +254,14 @@ class ServeModelApps:
     async def replica_asleep(self, app: str) -> bool:
         return await replica_asleep(app)
 
-    async def after_load(self, app: str, deployed_at: float | None) -> None:
-        """A spare worker for the node of the app's new replica (`deployed_at`: None for an adopted deploy)."""
+    async def after_load(self, app: str, deployed_at: float | None, spares: int) -> None:
+        """Up to `spares` spare workers for the node of the app's new replica (`deployed_at`: None for an adopted
+        deploy)."""
+        if spares == 0:
+            return
         worker = await call_replica(app, "worker")
         await asyncio.sleep(SPARE_DELAY_S)
         if deployed_at is None:
-            await asyncio.to_thread(self._spares.after_adopt, worker)
+            await asyncio.to_thread(self._spares.after_adopt, worker, spares)
         else:
-            await asyncio.to_thread(self._spares.after_deploy, worker, deployed_at)
+            await asyncio.to_thread(self._spares.after_deploy, worker, deployed_at, spares)

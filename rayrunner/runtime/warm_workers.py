@@ -9,11 +9,12 @@ env when the node has one, so:
   scripts, the CLI, the Runner's own cluster, the tests) sets `CLUSTER_ENV`, which has every Ray worker import
   `rayrunner.runtime.preload`: a worker with that variable imports the model stack as it starts;
 - `SPARE_DELAY_S` after each deploy of a model (the registry's own, or a config's it adopted), the registry asks
-  that node's raylet for one spare worker with the replica's own job and runtime env, kept alive `KEEP_ALIVE_S`
+  that node's raylet for spare workers with the replica's own job and runtime env (the router's `warm_spares`
+  per node, default 1; 0: none), each kept alive `KEEP_ALIVE_S`
   (`WarmSpares`). It starts, imports, and waits; the next replica started on the node takes it.
 
 Ray 2.60 has no public Python API for the raylet's PrestartWorkers call, so it goes through Ray's generated gRPC
-stub; if that fails, a warning is logged once and loads start cold, as before. At most one spare per node waits: a
+stub; if that fails, a warning is logged once and loads start cold, as before. At most `warm_spares` per node wait: a
 deploy that ran in a fresh process while a spare was waiting means the spare did not fit, and no other is asked for
 on that node until the waiting one's keep-alive ends.
 """
@@ -48,8 +49,8 @@ WARM_MARGIN_S = 1.0  # a replica whose process is this much older than its deplo
 SPARE_DELAY_S = 3.0
 
 
-def prestart_worker(worker: dict[str, Any], keep_alive_s: int = KEEP_ALIVE_S) -> bool:
-    """Ask the raylet of the replica's node to start one idle worker with the replica's job and runtime env;
+def prestart_worker(worker: dict[str, Any], keep_alive_s: int = KEEP_ALIVE_S, count: int = 1) -> bool:
+    """Ask the raylet of the replica's node to start `count` idle workers with the replica's job and runtime env;
     False when that node is gone (nothing to ask)."""
     import ray
     from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc, runtime_environment_pb2
@@ -63,7 +64,7 @@ def prestart_worker(worker: dict[str, Any], keep_alive_s: int = KEEP_ALIVE_S) ->
         request = manager.PrestartWorkersRequest(
             language=common.PYTHON, job_id=bytes.fromhex(worker["job_id"]),
             runtime_env_info=runtime_env.RuntimeEnvInfo(serialized_runtime_env=worker["runtime_env"]),
-            keep_alive_duration_secs=keep_alive_s, num_workers=1)
+            keep_alive_duration_secs=keep_alive_s, num_workers=count)
         node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
     finally:
         channel.close()
@@ -71,40 +72,50 @@ def prestart_worker(worker: dict[str, Any], keep_alive_s: int = KEEP_ALIVE_S) ->
 
 
 class WarmSpares:
-    """Keeps one spare worker waiting on each node that runs models (see the module docstring)."""
+    """Keeps `per_node` spare workers waiting on each node that runs models (see the module docstring)."""
 
     def __init__(self, keep_alive_s: int = KEEP_ALIVE_S) -> None:
         self.keep_alive_s = keep_alive_s
-        self.waiting_until: dict[str, float] = {}  # node id -> when the spare asked for there stops being kept
+        self.waiting: dict[str, list[float]] = {}  # node id -> when each spare asked for there stops being kept
         self.broken = False  # the raylet call failed once: no more tries
 
-    def after_deploy(self, worker: dict[str, Any], deployed_at: float) -> None:
+    def after_deploy(self, worker: dict[str, Any], deployed_at: float, per_node: int = 1) -> None:
         """After a model deployed, given its replica's `ModelServer.worker()`: count the spare it took (if any)
-        and ask for the next one where needed."""
+        and ask for the next ones where needed."""
         node_id, started_at = worker.get("node_id"), worker.get("process_started_at")
         if self.broken or not isinstance(node_id, str) or not isinstance(started_at, int | float):
             return
+        waiting = self._waiting(node_id)
         if started_at < deployed_at - WARM_MARGIN_S:
-            self.waiting_until.pop(node_id, None)  # it ran in a waiting worker: ours, most likely
-        elif self.waiting_until.get(node_id, 0.0) > time.time():
-            return  # a fresh process although a spare waits there: it does not fit; do not pile up another
-        self._prestart(worker, node_id)
+            if waiting:
+                waiting.pop(0)  # it ran in a waiting worker: ours, most likely
+        elif waiting:
+            return  # a fresh process although spares wait there: they do not fit; do not pile up more
+        self._fill(worker, node_id, per_node)
 
-    def after_adopt(self, worker: dict[str, Any]) -> None:
-        """After a model loaded by a deploy not the registry's own (a config's, at start): a spare for its node,
-        unless one already waits there."""
+    def after_adopt(self, worker: dict[str, Any], per_node: int = 1) -> None:
+        """After a model loaded by a deploy not the registry's own (a config's, at start): spares for its node,
+        up to `per_node` waiting there."""
         node_id = worker.get("node_id")
-        if self.broken or not isinstance(node_id, str) or self.waiting_until.get(node_id, 0.0) > time.time():
+        if self.broken or not isinstance(node_id, str):
             return
-        self._prestart(worker, node_id)
+        self._fill(worker, node_id, per_node)
 
-    def _prestart(self, worker: dict[str, Any], node_id: str) -> None:
+    def _waiting(self, node_id: str) -> list[float]:
+        now = time.time()
+        self.waiting[node_id] = [until for until in self.waiting.get(node_id, []) if until > now]
+        return self.waiting[node_id]
+
+    def _fill(self, worker: dict[str, Any], node_id: str, per_node: int) -> None:
+        missing = per_node - len(self._waiting(node_id))
+        if missing <= 0:
+            return
         now = time.time()
         try:
-            started = prestart_worker(worker, self.keep_alive_s)
+            started = prestart_worker(worker, self.keep_alive_s, missing)
         except Exception as exc:
             self.broken = True
             logger.warning("rayrunner could not start a spare worker (loads start cold): %s", exc)
             return
         if started:
-            self.waiting_until[node_id] = now + self.keep_alive_s
+            self.waiting[node_id].extend([now + self.keep_alive_s] * missing)

@@ -151,7 +151,7 @@ def test_stream_in_flight_finishes_before_unload(service: Service) -> None:
     reader.start()
     while not any('"content"' in line for line in lines):
         time.sleep(0.01)
-    assert post(service, "unload", model_id="org/beta").status_code == 200
+    assert post(service, "unload", model_id="org/beta", mode="sleep").status_code == 200  # a stop drains alike
     finished["unload"] = time.monotonic()
     reader.join()
     data = [line for line in lines if line.startswith("data: ")]
@@ -173,8 +173,8 @@ def test_default_switching_and_aliases(service: Service) -> None:
     assert clash.status_code == 409 and clash.json()["error"]["code"] == "alias_conflict"
     reserved = post(service, "aliases", model_id="alpha", alias="default")
     assert reserved.status_code == 409
-    # Unloading the default leaves it the default; the next `default` request reloads it.
-    assert post(service, "unload", model_id="org/beta").status_code == 200
+    # Unloading the default leaves it the default; the next `default` request reloads it (here: wakes it).
+    assert post(service, "unload", model_id="org/beta", mode="sleep").status_code == 200
     assert service.http.get("/v1/models/default").json()["id"] == "org/beta"
     assert service.chat("hi", max_tokens=3).json()["model"] == "org/beta"
     assert status(service, "org/beta") == "loaded"

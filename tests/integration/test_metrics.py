@@ -54,7 +54,7 @@ def test_metrics_appear_labelled_by_model(service: Service) -> None:
     for stream in (False, True, False):
         assert service.chat("hello", model="tiny", max_tokens=8, stream=stream).status_code == 200
     assert service.chat("hello", model="no-such-model").status_code == 404
-    assert service.http.post("/v1/models/unload", json={"model_id": "tiny"}).status_code == 200
+    assert service.http.post("/v1/models/unload", json={"model_id": "tiny", "mode": "sleep"}).status_code == 200
     assert service.http.post("/v1/models/reload", json={"model_id": "tiny"}).status_code == 200
     assert service.chat("again", model="tiny", max_tokens=8).status_code == 200
 
