@@ -171,6 +171,6 @@ async def test_with_only_pinned_models_in_the_way_a_load_waits_then_fails_with_n
     with pytest.raises(CapacityError) as raised:
         await reg.ensure_loaded("b")
     assert asyncio.get_running_loop().time() - started >= 0.5  # it waited for room first
-    assert raised.value.status == 503 and raised.value.code == "capacity_exhausted"
+    assert raised.value.status == 503 and raised.value.code == "capacity_exhausted" and raised.value.retry_after_s
     assert await reg.status("b") == "unloaded" and await reg.status("a") == "loaded"
     assert apps.deploys(app(reg, "b")) == 0

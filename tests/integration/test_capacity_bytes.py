@@ -1,6 +1,7 @@
 """`max_loaded_bytes` on a real cluster: a load that would pass it evicts an idle model (card: `evicted:
-max_loaded_bytes`), a load with only pinned models in the way waits for the load timeout and is a 503, and a model
-too large to fit alone is a 400 before anything loads. Tiny random models; the tests run in order."""
+max_loaded_bytes`), and a model too large to fit alone is a 400 before anything loads. Tiny random models; the
+tests run in order. A load with only pinned models in the way waits, then fails with `capacity_exhausted`: in
+process, tests/test_registry_lifecycle.py."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ from rayrunner.models.footprint import estimate_bytes
 from rayrunner.models.spec import build_spec
 from tests.conftest import Service, model_entry
 
-LOAD_TIMEOUT_S = 20
-
 
 @pytest.fixture(scope="module")
 def service(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Service]:
@@ -23,7 +22,6 @@ def service(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Service]:
     config = {
         "models": [model_entry("t1", tiny_llama_dir), model_entry("t2", tiny_llama_dir, load=False)],
         "max_loaded_bytes": int(one_model * 1.5),
-        "load_timeout_s": LOAD_TIMEOUT_S,
         "state_path": str(cluster["state_dir"] / "capacity_bytes.json"),
     }
     svc = Service(cluster, config)
@@ -40,18 +38,6 @@ def test_a_load_past_the_bytes_limit_evicts_an_idle_model(service: Service) -> N
     assert service.chat("hi", model="t2", max_tokens=2).status_code == 200
     card = service.card("t1")
     assert card["status"] == "unloaded" and card["unloaded_reason"] == "evicted: max_loaded_bytes"
-
-
-def test_with_only_pinned_models_in_the_way_a_load_waits_then_gets_503(service: Service, tiny_llama_dir: str) -> None:
-    which = {"type": "plain", "model_id": tiny_llama_dir}
-    assert service.http.post("/v1/models/add", json={"model_id": "t2", "which": which, "pinned": True}).json()[
-        "pinned"]
-    started = time.monotonic()
-    response = service.chat("hi", model="t1", max_tokens=2)
-    assert response.status_code == 503, response.text
-    assert response.json()["error"]["code"] == "capacity_exhausted" and "Retry-After" in response.headers
-    assert time.monotonic() - started >= LOAD_TIMEOUT_S - 1
-    assert service.card("t1")["status"] == "unloaded" and service.card("t2")["status"] == "loaded"
 
 
 def test_a_model_too_large_to_fit_alone_is_a_400(service: Service) -> None:

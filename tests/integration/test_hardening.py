@@ -31,6 +31,7 @@ def service(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Service]:
         "sources": {"local_roots": [tiny_llama_dir]},  # no hub organisation, one local folder
         "auth": {"api_keys": [USER], "admin_api_keys": [ADMIN]},
         "limits": {"max_body_bytes": 8192, "max_tokens": 16, "request_timeout_s": TIMEOUT_S},
+        "warm_spares": 0,  # loads start cold, longer than the timeout
     }
     svc = Service(cluster, config)
     svc.http.headers["authorization"] = f"Bearer {USER}"
