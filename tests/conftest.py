@@ -99,6 +99,13 @@ class Service:
     def card(self, model: str) -> dict[str, Any]:
         return self.http.get(f"/v1/models/{model}").json()
 
+    def wait_loaded(self, model: str, timeout_s: float = 120) -> None:
+        """Until `model` is loaded (a declared `load: true` model loads in the background after the deploy)."""
+        deadline = time.monotonic() + timeout_s
+        while self.card(model)["status"] != "loaded":
+            assert time.monotonic() < deadline, f"{model} never loaded"
+            time.sleep(0.2)
+
     def close(self) -> None:
         self.http.close()
         cleanup_serve()

@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,10 +38,7 @@ def service(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Service]:
     }
     svc = Service(cluster, config)
     svc.http.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
-    deadline = time.monotonic() + 120
-    while svc.card("alpha")["status"] != "loaded":  # the declared load runs in the background
-        assert time.monotonic() < deadline, "alpha never loaded"
-        time.sleep(0.2)
+    svc.wait_loaded("alpha")
     yield svc
     svc.close()
 

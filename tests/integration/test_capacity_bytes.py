@@ -5,7 +5,6 @@ process, tests/test_registry_lifecycle.py."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,10 +29,7 @@ def service(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Service]:
 
 
 def test_a_load_past_the_bytes_limit_evicts_an_idle_model(service: Service) -> None:
-    deadline = time.monotonic() + 120
-    while service.card("t1")["status"] != "loaded":
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    service.wait_loaded("t1")
     assert service.card("t1")["estimated_bytes"] > 0
     assert service.chat("hi", model="t2", max_tokens=2).status_code == 200
     card = service.card("t1")

@@ -4,7 +4,6 @@ one load instead of one per module. Tests here leave the service as they found i
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,9 +19,6 @@ def service(cluster: dict[str, Any]) -> Iterator[Service]:
     config = {"models": [model_entry(MODEL, MODEL, aliases=["smol"])],
               "state_path": str(cluster["state_dir"] / "smollm2.json")}
     svc = Service(cluster, config)
-    deadline = time.monotonic() + 180
-    while svc.card(MODEL)["status"] != "loaded":  # the declared load runs in the background
-        assert time.monotonic() < deadline, f"{MODEL} never loaded"
-        time.sleep(0.2)
+    svc.wait_loaded(MODEL, timeout_s=180)
     yield svc
     svc.close()
