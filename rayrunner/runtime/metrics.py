@@ -3,6 +3,10 @@
 of their own. Every metric is labelled by `model` (a model id; names that resolve to none count as `unknown`, so
 typos cannot grow the label set). `cluster/grafana/rayrunner.json` is a dashboard over them.
 
+Ray's metrics agent drops a gauge's series two report intervals after its last `set` (20 s by default), so a value
+set once (a model's status, its weight bytes, an idle batch's size) would vanish from the endpoint while still true.
+Every gauge set here is held and set again by a daemon thread each half interval; a removed model's are let go.
+
 Who records what: the registry (status, loads, unloads by reason, load seconds, weight bytes), each router replica
 (requests by route and HTTP status), each model replica (time to first token, inter-token latency, tokens in and out,
 running and queued sequences).
@@ -11,6 +15,9 @@ running and queued sequences).
 from __future__ import annotations
 
 import functools
+import os
+import threading
+import time
 from typing import Any
 
 from ray.util import metrics
@@ -35,15 +42,53 @@ def _histogram(name: str, description: str, boundaries: tuple[float, ...]) -> me
     return metrics.Histogram(name, description, boundaries=list(boundaries), tag_keys=("model",))
 
 
+class _HeldGauges:
+    """The last value of every (gauge, tags) set in this process, set again every `period_s` so it stays exported."""
+
+    def __init__(self) -> None:
+        report_ms = os.environ.get("RAY_metrics_report_interval_ms", "10000")  # noqa: SIM112 (Ray's own name)
+        interval_s = max(float(report_ms) / 1000, 1.0)
+        self.period_s = interval_s / 2  # the agent keeps a value two intervals: one refresh may run late
+        self._values: dict[tuple[str, frozenset[tuple[str, str]]], tuple[metrics.Gauge, float, dict[str, str]]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def set(self, gauge: metrics.Gauge, value: float, tags: dict[str, str]) -> None:
+        gauge.set(value, tags=tags)
+        with self._lock:
+            self._values[(gauge.info["name"], frozenset(tags.items()))] = (gauge, value, tags)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._refresh, name="rayrunner-gauges", daemon=True)
+                self._thread.start()
+
+    def forget_model(self, model: str) -> None:
+        with self._lock:
+            self._values = {key: held for key, held in self._values.items() if held[2].get("model") != model}
+
+    def _refresh(self) -> None:
+        while True:
+            time.sleep(self.period_s)
+            with self._lock:
+                held = list(self._values.values())
+            for gauge, value, tags in held:
+                gauge.set(value, tags=tags)
+
+
+_held = _HeldGauges()
+
+
 # ------------------------------------------------------------ registry
 
 
 def model_status(model: str, status: str) -> None:
-    """One gauge per (model, status): 1 for the model's status now, 0 for the others."""
+    """One gauge per (model, status): 1 for the model's status now, 0 for the others; `removed`: all 0, and the
+    model's gauges are no longer held (its series leave the endpoint)."""
     gauge = _gauge("rayrunner_model_status", "1 for the model's current status (loaded, unloaded, reloading).",
                    "status")
     for each in STATUSES:
-        gauge.set(1.0 if each == status else 0.0, tags={"model": model, "status": each})
+        _held.set(gauge, 1.0 if each == status else 0.0, {"model": model, "status": each})
+    if status == "removed":
+        _held.forget_model(model)
 
 
 def model_loaded(model: str, seconds: float, weight_bytes: int | None) -> None:
@@ -67,8 +112,8 @@ def model_unloaded(model: str, reason: str, mode: str) -> None:
 
 
 def weights(model: str, weight_bytes: int) -> None:
-    _gauge("rayrunner_model_weight_bytes", "Bytes of weights the model's replica holds (0 when unloaded).").set(
-        float(weight_bytes), tags={"model": model})
+    _held.set(_gauge("rayrunner_model_weight_bytes", "Bytes of weights the model's replica holds (0 when unloaded)."),
+              float(weight_bytes), {"model": model})
 
 
 # ------------------------------------------------------------ router
@@ -99,5 +144,6 @@ def generation(model: str, event: Any) -> None:
 
 
 def sequences(model: str, running: int, queued: int) -> None:
-    _gauge("rayrunner_running_sequences", "Sequences in the model's running batch.").set(running, tags={"model": model})
-    _gauge("rayrunner_queued_requests", "Requests waiting for a slot in the batch.").set(queued, tags={"model": model})
+    tags = {"model": model}
+    _held.set(_gauge("rayrunner_running_sequences", "Sequences in the model's running batch."), running, tags)
+    _held.set(_gauge("rayrunner_queued_requests", "Requests waiting for a slot in the batch."), queued, tags)

@@ -65,3 +65,8 @@ def test_metrics_appear_labelled_by_model(service: Service) -> None:
         missing = [pattern for pattern in EXPECTED if not re.search(pattern, text)]
         assert time.monotonic() < deadline, f"never exported: {missing}"
         time.sleep(2)
+
+    time.sleep(3 * 2)  # three report intervals: Ray's agent alone would have dropped a gauge set once by now
+    gauges = [pattern for pattern in EXPECTED if "status=" in pattern or "sequences" in pattern or "queued" in pattern
+              or "weight_bytes" in pattern]
+    assert [pattern for pattern in gauges if not re.search(pattern, scrape())] == []
