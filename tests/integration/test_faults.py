@@ -165,8 +165,8 @@ def test_whole_service_stopped_and_deployed_again(service: Service, cluster: dic
                                                   config: dict[str, Any], registry: str) -> None:
     """`serve.delete` of the router and every model app, then the router deployed again with the same config and
     state file; the detached registry either survives (`kept`) or dies too (`killed`: read back from its file).
-    Models, aliases and the default (set at runtime) are intact, unloaded models stay unloaded, and every model
-    answers. Whether loaded models were loaded again is the next test's."""
+    Models, aliases and the default (set at runtime) are intact, unloaded models stay unloaded, and every loaded
+    model answers. Whether loaded models were loaded again is the next test's."""
     from ray import serve
 
     for model_id, wanted in (("fault-a", "loaded"), ("org/fault-b", "unloaded"), ("fault-c", "loaded")):
@@ -190,7 +190,8 @@ def test_whole_service_stopped_and_deployed_again(service: Service, cluster: dic
         assert {m: card[1:] for m, card in after.items()} == {m: card[1:] for m, card in before.items()}
         assert after["org/fault-b"][0] == "unloaded"
         assert restarted.chat("hi", max_tokens=2).json()["model"] == "fault-c"
-        assert all(answers(restarted, model_id) for model_id in before)
+        # Loaded models answer at once (an unloaded one loading on request is the registry test's)
+        assert all(answers(restarted, model_id) for model_id, (status, _, _) in before.items() if status == "loaded")
     finally:
         restarted.http.close()
 

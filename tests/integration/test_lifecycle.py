@@ -229,6 +229,7 @@ def test_model_a_keeps_serving_while_b_changes(service: Service, tiny_llama_dir:
     def hammer() -> None:
         while not stop.is_set():
             codes.append(service.chat("ping", model="alpha", max_tokens=2).status_code)
+            time.sleep(0.1)  # steady traffic, not a busy loop that starves the load beside it on a small box
 
     worker = threading.Thread(target=hammer)
     worker.start()
