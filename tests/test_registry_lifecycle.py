@@ -12,7 +12,14 @@ from typing import Any
 
 import pytest
 
-from rayrunner.errors import CapacityError, ModelLoadError, ModelNotFoundError, ModelReloadingError
+from rayrunner.errors import (
+    CapacityError,
+    ModelAlreadyLoadedError,
+    ModelAlreadyUnloadedError,
+    ModelLoadError,
+    ModelNotFoundError,
+    ModelReloadingError,
+)
 from rayrunner.registry.actor import Registry
 from tests.fake_model_apps import FakeModelApps
 
@@ -41,6 +48,30 @@ async def test_concurrent_requests_share_one_load(tmp_path: Path) -> None:
     assert loaded == ["a"] * 8
     assert apps.deploys(app(reg, "a")) == 1
     assert await reg.status("a") == "loaded"
+
+
+async def test_conflicting_lifecycle_calls_raise_what_the_api_answers_409_and_404(tmp_path: Path) -> None:
+    """The errors the router maps to 409 (`model_already_unloaded`, `model_already_loaded`, `model_reloading`) and
+    404 (`model_not_found`); a second reload while one runs does not start a second load (over HTTP:
+    integration/test_lifecycle.py)."""
+    apps = FakeModelApps(start_s=0.3)
+    reg = await registry(tmp_path, apps, [entry("a", load=True), entry("b")])
+    await reg.ensure_loaded("a")
+    with pytest.raises(ModelAlreadyUnloadedError):
+        await reg.unload("b")
+    with pytest.raises(ModelAlreadyLoadedError):
+        await reg.reload("a")
+    for call in (reg.unload("nope"), reg.reload("nope"), reg.status("nope"), reg.remove("nope"),
+                 reg.set_default("nope")):
+        with pytest.raises(ModelNotFoundError):
+            await call
+    first = asyncio.create_task(reg.reload("b"))
+    while await reg.status("b") != "reloading":
+        await asyncio.sleep(0.01)
+    with pytest.raises(ModelReloadingError):
+        await reg.reload("b")
+    await first
+    assert await reg.status("b") == "loaded" and apps.deploys(app(reg, "b")) == 1
 
 
 async def test_a_failed_load_leaves_the_model_unloaded_with_its_error(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import httpx
 from ray import serve
@@ -80,71 +80,6 @@ def app_state(app: str) -> AppState:
     )
 
 
-async def deployed_args(app: str) -> dict[str, Any] | None:
-    """The `args` a config (`serve run` / `serve deploy`) deployed the app with; None for an app deployed from
-    code (as the registry does) or not deployed at all. Read from the dashboard's Serve REST API."""
-    async with httpx.AsyncClient(timeout=30) as client:
-        response = await client.get(f"{dashboard_url()}/api/serve/applications/")
-    response.raise_for_status()
-    details = response.json().get("applications", {}).get(app) or {}
-    args: dict[str, Any] | None = (details.get("deployed_app_config") or {}).get("args")
-    return args
-
-
-async def deploy(spec: ModelSpec) -> None:
-    """Submit the model's app (one replica) to Serve; `wait_loaded` then follows it to RUNNING or to its failure.
-    A replica that no node of the cluster could ever hold is refused first (`UnplaceableModelError`).
-
-    Not `serve.run`: it polls the app once a second, which rounded every reload up to the next whole second."""
-
-    def submit() -> None:
-        check_placeable(spec)  # a replica no node can hold would stay PENDING until the load times out
-        with _SERVE_CONFIG_LOCK:
-            target = serve.RunTarget(model_deployment(spec), name=spec.app_name, route_prefix=None,
-                                     external_scaler_enabled=True)
-            serve.run_many([target], wait_for_applications_running=False)
-
-    await asyncio.to_thread(submit)
-
-
-async def scale(app: str, replicas: int) -> None:
-    url = f"{dashboard_url()}/api/v1/applications/{app}/deployments/{DEPLOYMENT}/scale"
-    async with httpx.AsyncClient(timeout=30) as client:
-        response = await client.post(url, json={"target_num_replicas": replicas})
-    if response.status_code >= 300:
-        raise ModelLoadError(f"scaling `{app}` to {replicas} failed: HTTP {response.status_code} {response.text}")
-
-
-async def delete(app: str) -> None:
-    await asyncio.to_thread(serve.delete, app, True)
-
-
-async def wait_loaded(app: str, timeout_s: float) -> None:
-    """Until a replica is RUNNING; a failed start raises ModelLoadError with Serve's message."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = await asyncio.to_thread(app_state, app)
-        if state.running >= 1 and state.deployment_status == "HEALTHY":
-            return
-        # The app's status, not the deployment's: right after a deploy the deployment can still show the old
-        # version's status (UNHEALTHY after its replica's node died) until Serve's next control loop, while the
-        # app already says DEPLOYING; a new version that fails makes the app DEPLOY_FAILED too.
-        if state.app_status in _FAILED:
-            raise ModelLoadError(_failure_message(state))
-        if time.monotonic() > deadline:
-            raise ModelTimeoutError(f"model app `{app}` did not start within {timeout_s:.0f} s")
-        await asyncio.sleep(_POLL_S)
-
-
-async def wait_gone(app: str, timeout_s: float) -> None:
-    """Until no replica is left (running or draining): in-flight requests have finished by then."""
-    deadline = time.monotonic() + timeout_s
-    while (await asyncio.to_thread(app_state, app)).total > 0:
-        if time.monotonic() > deadline:
-            raise ModelTimeoutError(f"model app `{app}` still has replicas after {timeout_s:.0f} s")
-        await asyncio.sleep(_POLL_S)
-
-
 def _failure_message(state: AppState) -> str:
     # Serve's message embeds the replica's traceback; its last line names the real cause. One of our own errors
     # is named by its message alone (its class would repeat the `failed to reload model:` prefix).
@@ -152,44 +87,6 @@ def _failure_message(state: AppState) -> str:
     if not lines:
         return f"deployment is {state.deployment_status}"
     return re.sub(r"^rayrunner\.errors\.\w+: ", "", lines[-1])
-
-
-async def call_replica(app: str, method: str) -> dict[str, Any]:
-    """`info`, `sleep`, `wake` (each answers the replica's info) or `worker` on the model's replica."""
-    handle = serve.get_deployment_handle(DEPLOYMENT, app_name=app)
-    result: dict[str, Any] = await getattr(handle, method).remote()
-    return result
-
-
-async def new_replica_info(app: str, deployed_at: float, timeout_s: float) -> dict[str, Any]:
-    """The info of the replica deployed at `deployed_at`, as soon as it answers: a call waits in the handle until
-    Serve routes to the replica, which it does as the replica starts running, while polling Serve's status every
-    `_POLL_S` (still watched here, for a failed start) saw it 0.2-0.5 s later. An answer from an older replica (one
-    still up from before the deploy) is set aside for the status poll and a second call."""
-    watch = asyncio.ensure_future(wait_loaded(app, timeout_s))
-    ask = asyncio.ensure_future(call_replica(app, "info"))
-    try:
-        done, _ = await asyncio.wait({watch, ask}, return_when=asyncio.FIRST_COMPLETED)  # watch has the deadline
-        if ask in done and ask.exception() is None and ask.result().get("started_at", 0.0) >= deployed_at:
-            return ask.result()
-        await watch  # raises when the start failed or timed out
-        return await call_replica(app, "info")
-    finally:
-        watch.cancel()
-        ask.cancel()
-
-
-async def asleep(app: str) -> bool:
-    """Whether the app's replica is running and asleep (else a load deploys it afresh)."""
-    state = await asyncio.to_thread(app_state, app)
-    return state.running >= 1 and state.deployment_status == "HEALTHY" and await replica_asleep(app)
-
-
-async def replica_asleep(app: str) -> bool:
-    """Whether the app's running replica says it is asleep (unreachable counts as no)."""
-    with contextlib.suppress(Exception):
-        return bool((await call_replica(app, "info")).get("asleep"))
-    return False
 
 
 class ModelApps(Protocol):
@@ -211,7 +108,7 @@ class ModelApps(Protocol):
 
 
 class ServeModelApps:
-    """`ModelApps` on Ray Serve (this module's functions), with a warm spare worker after each load."""
+    """`ModelApps` on Ray Serve, with a warm spare worker after each load."""
 
     def __init__(self) -> None:
         self._spares = WarmSpares()
@@ -220,48 +117,118 @@ class ServeModelApps:
         return await asyncio.to_thread(app_state, app)
 
     async def deployed_args(self, app: str) -> dict[str, Any] | None:
-        return await deployed_args(app)
+        """The `args` a config (`serve run` / `serve deploy`) deployed the app with; None for an app deployed from
+        code (as the registry does) or not deployed at all. Read from the dashboard's Serve REST API."""
+        async with httpx.AsyncClient(timeout=30) as client:
+            response = await client.get(f"{dashboard_url()}/api/serve/applications/")
+        response.raise_for_status()
+        details = response.json().get("applications", {}).get(app) or {}
+        args: dict[str, Any] | None = (details.get("deployed_app_config") or {}).get("args")
+        return args
 
     async def deploy(self, spec: ModelSpec) -> None:
-        await deploy(spec)
+        """Submit the model's app (one replica) to Serve; `wait_loaded` then follows it to RUNNING or to its
+        failure. A replica that no node of the cluster could ever hold is refused first (`UnplaceableModelError`).
+
+        Not `serve.run`: it polls the app once a second, which rounded every reload up to the next whole second."""
+
+        def submit() -> None:
+            check_placeable(spec)  # a replica no node can hold would stay PENDING until the load times out
+            with _SERVE_CONFIG_LOCK:
+                target = serve.RunTarget(model_deployment(spec), name=spec.app_name, route_prefix=None,
+                                         external_scaler_enabled=True)
+                serve.run_many([target], wait_for_applications_running=False)
+
+        await asyncio.to_thread(submit)
 
     async def wait_loaded(self, app: str, timeout_s: float) -> None:
-        await wait_loaded(app, timeout_s)
+        """Until a replica is RUNNING; a failed start raises ModelLoadError with Serve's message."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = await self.state(app)
+            if state.running >= 1 and state.deployment_status == "HEALTHY":
+                return
+            # The app's status, not the deployment's: right after a deploy the deployment can still show the old
+            # version's status (UNHEALTHY after its replica's node died) until Serve's next control loop, while the
+            # app already says DEPLOYING; a new version that fails makes the app DEPLOY_FAILED too.
+            if state.app_status in _FAILED:
+                raise ModelLoadError(_failure_message(state))
+            if time.monotonic() > deadline:
+                raise ModelTimeoutError(f"model app `{app}` did not start within {timeout_s:.0f} s")
+            await asyncio.sleep(_POLL_S)
 
     async def new_replica_info(self, app: str, deployed_at: float, timeout_s: float) -> dict[str, Any]:
-        return await new_replica_info(app, deployed_at, timeout_s)
+        """The info of the replica deployed at `deployed_at`, as soon as it answers: a call waits in the handle
+        until Serve routes to the replica, which it does as the replica starts running, while polling Serve's
+        status every `_POLL_S` (still watched here, for a failed start) saw it 0.2-0.5 s later. An answer from an
+        older replica (one still up from before the deploy) is set aside for the status poll and a second call."""
+        watch = asyncio.ensure_future(self.wait_loaded(app, timeout_s))
+        ask = asyncio.ensure_future(self.info(app))
+        try:
+            done, _ = await asyncio.wait({watch, ask}, return_when=asyncio.FIRST_COMPLETED)  # watch: the deadline
+            if ask in done and ask.exception() is None and ask.result().get("started_at", 0.0) >= deployed_at:
+                return ask.result()
+            await watch  # raises when the start failed or timed out
+            return await self.info(app)
+        finally:
+            watch.cancel()
+            ask.cancel()
 
     async def scale_to_zero(self, app: str, timeout_s: float) -> None:
-        """The replica drains (in-flight requests finish) and exits; the app stays."""
-        await scale(app, 0)
-        await wait_gone(app, timeout_s)
+        """The replica drains (in-flight requests finish) and exits; the app stays. Serve's external scaling API
+        on the dashboard (see the module's docstring)."""
+        url = f"{dashboard_url()}/api/v1/applications/{app}/deployments/{DEPLOYMENT}/scale"
+        async with httpx.AsyncClient(timeout=30) as client:
+            response = await client.post(url, json={"target_num_replicas": 0})
+        if response.status_code >= 300:
+            raise ModelLoadError(f"scaling `{app}` to 0 failed: HTTP {response.status_code} {response.text}")
+        deadline = time.monotonic() + timeout_s
+        while (await self.state(app)).total > 0:  # draining replicas finish their requests first
+            if time.monotonic() > deadline:
+                raise ModelTimeoutError(f"model app `{app}` still has replicas after {timeout_s:.0f} s")
+            await asyncio.sleep(_POLL_S)
 
     async def delete(self, app: str) -> None:
-        await delete(app)
+        await asyncio.to_thread(serve.delete, app, True)
 
     async def info(self, app: str) -> dict[str, Any]:
-        return await call_replica(app, "info")
+        return await _call_replica(app, "info")
 
     async def sleep(self, app: str) -> dict[str, Any]:
-        return await call_replica(app, "sleep")
+        return await _call_replica(app, "sleep")
 
     async def wake(self, app: str) -> dict[str, Any]:
-        return await call_replica(app, "wake")
+        return await _call_replica(app, "wake")
 
     async def asleep(self, app: str) -> bool:
-        return await asleep(app)
+        """Whether the app's replica is running and asleep (else a load deploys it afresh)."""
+        state = await self.state(app)
+        return state.running >= 1 and state.deployment_status == "HEALTHY" and await self.replica_asleep(app)
 
     async def replica_asleep(self, app: str) -> bool:
-        return await replica_asleep(app)
+        """Whether the app's running replica says it is asleep (unreachable counts as no)."""
+        with contextlib.suppress(Exception):
+            return bool((await self.info(app)).get("asleep"))
+        return False
 
     async def after_load(self, app: str, deployed_at: float | None, spares: int) -> None:
         """Up to `spares` spare workers for the node of the app's new replica (`deployed_at`: None for an adopted
         deploy)."""
         if spares == 0:
             return
-        worker = await call_replica(app, "worker")
+        worker = await _call_replica(app, "worker")
         await asyncio.sleep(SPARE_DELAY_S)
         if deployed_at is None:
             await asyncio.to_thread(self._spares.after_adopt, worker, spares)
         else:
             await asyncio.to_thread(self._spares.after_deploy, worker, deployed_at, spares)
+
+
+ReplicaCall = Literal["info", "sleep", "wake", "worker"]
+
+
+async def _call_replica(app: str, method: ReplicaCall) -> dict[str, Any]:
+    """A call on the model's replica; each answers the replica's info (`worker`: its worker's)."""
+    handle = serve.get_deployment_handle(DEPLOYMENT, app_name=app)
+    result: dict[str, Any] = await getattr(handle, method).remote()
+    return result
