@@ -18,7 +18,7 @@ from rayrunner.deployments.step.detokenizer import Detokenizer
 from rayrunner.deployments.step.scheduler import SchedulerLimits, StepScheduler
 from rayrunner.deployments.step.sequence import Sequence
 from rayrunner.deployments.text_engine import TextEngine
-from rayrunner.errors import ServerOverloadedError
+from rayrunner.errors import InvalidRequestError, ServerOverloadedError
 from rayrunner.models.spec import build_spec
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -189,3 +189,11 @@ async def test_min_tokens_holds_back_eos_and_stop_strings(smollm2: TextEngine) -
     assert text.startswith(short[: short.index("Paris") + len("Paris")]) and stopped.usage.completion_tokens >= 12
     kept = await _answer(smollm2, max_tokens=40, stop=["Paris"], include_stop_str_in_output=True)
     assert kept.choices[0].message.content == short[: short.index("Paris") + len("Paris")]
+
+
+async def test_a_logit_bias_past_the_vocabulary_is_a_400_and_the_engine_keeps_serving(smollm2: TextEngine) -> None:
+    vocab = smollm2.model.get_output_embeddings().weight.shape[0]
+    with pytest.raises(InvalidRequestError, match=f"token id {vocab} .* {vocab} tokens") as caught:
+        await _reply(smollm2, "hi", logit_bias={vocab: 5.0})
+    assert caught.value.status == 400 and caught.value.param == "logit_bias"
+    assert await _reply(smollm2, "hi", max_tokens=2, logit_bias={vocab - 1: 1.0})  # the last id is fine

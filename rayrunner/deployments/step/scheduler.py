@@ -74,6 +74,7 @@ class StepScheduler:
         self.adapters = adapters
         self.fast_decode: FastDecode | None = None  # set by `start`, on the compute thread
         self.device = model.device
+        self.vocab_size = _logits_width(model)
         self.limits = limits
         self.admission = Admission(limits.prefill_chunk_tokens, adapters.max_adapters if adapters else None)
         self.max_running = limits.max_num_seqs if mergeable(model.config) else 1
@@ -113,6 +114,10 @@ class StepScheduler:
         if params.n > self.max_running:
             raise InvalidRequestError(f"n is {params.n}; this model runs at most {self.max_running} sequences at once",
                                       param="n")
+        past = [token for token in params.logit_bias if token >= self.vocab_size]
+        if past:  # checked here: inside a step it would fail every sequence of the batch
+            raise InvalidRequestError(f"logit_bias: token id {min(past)} is past this model's vocabulary of "
+                                      f"{self.vocab_size} tokens", param="logit_bias")
         sequence = Sequence(prompt_ids, params, detokenizer, set() if params.ignore_eos else eos_ids,
                             asyncio.get_running_loop(),
                             extra_inputs=extra_inputs or {}, adapter=adapter)
@@ -403,3 +408,14 @@ class StepScheduler:
                 if self._chunking is not None and self._chunking[0] in sequences:
                     self._chunking = None
             self._retire()
+
+
+def _logits_width(model: Any) -> int:
+    """How many logits a step gives: the output head's width (quantized heads keep `out_features`; padded
+    vocabularies make it differ from the tokenizer's size), else the config's vocabulary."""
+    head = model.get_output_embeddings()
+    width = getattr(head, "out_features", None)
+    if width is None:
+        config = model.config
+        width = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
+    return int(width)
