@@ -84,3 +84,19 @@ def test_special_tokens_are_skipped_unless_asked_for(tokenizer: Any) -> None:
     skipped, kept = Detokenizer(tokenizer, []), Detokenizer(tokenizer, [], dropped=frozenset())
     assert "".join(skipped.add(i) for i in ids) + skipped.flush() == "assistant\nHi"
     assert "".join(kept.add(i) for i in ids) + kept.flush() == "<|im_start|>assistant\nHi<|im_end|>"
+
+
+def test_a_long_reply_streams_exactly_its_full_decode(tokenizer: Any) -> None:
+    """Each token decodes a short window: the pieces still join to the decode of all the ids, for text with
+    multi-token characters and for arbitrary ids (invalid byte runs included)."""
+    import random
+
+    text = "日本語のテキスト, Ünïcödé, emojis 🐉🎉👩‍👩‍👧, code: def f(x):\n    return x**2  # ok\n" * 8
+    pieces, _ = stream(tokenizer, text, [])
+    assert "".join(pieces) == text
+    draw = random.Random(7)
+    for _ in range(50):
+        ids = [draw.randrange(len(tokenizer)) for _ in range(40)]
+        detok = Detokenizer(tokenizer, [])
+        streamed = "".join(detok.add(token_id) for token_id in ids) + detok.flush()
+        assert streamed == tokenizer.decode(ids, skip_special_tokens=True)

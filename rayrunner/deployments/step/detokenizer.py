@@ -7,6 +7,11 @@ settings: `min_tokens` (no stop string ends the text before then), `include_stop
 `skip_special_tokens`. Special tokens are skipped by the tokenizer's own decode unless some must stay: all of them
 (`skip_special_tokens` false), or the tool-call markers a reply's parser looks for (Mistral's `[TOOL_CALLS]`,
 Llama's `<|python_tag|>`), in which case the other special ids are dropped as they arrive.
+
+Each token decodes a short window, not the whole reply (which made a long reply's cost grow with its square): the
+tokens of the last emitted piece and those after it, the new text being what that window adds to the decode of
+the piece alone (the offsets vLLM and TGI keep, so that a token's leading space or a multi-token character comes
+out as in the full decode).
 """
 
 from __future__ import annotations
@@ -66,7 +71,8 @@ class Detokenizer:
         self._unarmed = min_tokens  # tokens still to come before a stop string may end the text
         self._dropped = dropped
         self._ids: list[int] = []
-        self._passed = 0  # characters of the decoded text already handed to the stop filter
+        self._prefix_at = 0  # the window's start: the first token of the last piece emitted
+        self._read_at = 0  # the first token not yet emitted
 
     @classmethod
     def of(cls, tokenizer: Any, params: SamplingParams, kept: frozenset[int] = frozenset()) -> Detokenizer:
@@ -99,8 +105,7 @@ class Detokenizer:
         if self._dropped is not None and token_id in self._dropped:
             return ""
         self._ids.append(token_id)
-        # A character whose bytes span several tokens decodes to U+FFFD until its last byte arrives.
-        return self._pass(self._decode().rstrip("\ufffd"), armed)
+        return self._pass(self._new_text(final=False), armed)
 
     def end_on(self, token_id: int) -> str:
         """The rest of the text when `token_id` (EOS or a stop token id) ends the sequence: the token's own text is
@@ -111,13 +116,22 @@ class Detokenizer:
         """Everything not yet emitted (the sequence ended without a stop string)."""
         if self.stopped:
             return ""
-        return self._pass(self._decode(), not self._unarmed) + self._stops.flush()
+        return self._pass(self._new_text(final=True), not self._unarmed) + self._stops.flush()
 
-    def _decode(self) -> str:
-        return str(self._tokenizer.decode(self._ids, skip_special_tokens=self._dropped is None))
-
-    def _pass(self, text: str, armed: bool) -> str:
-        if self.stopped or len(text) <= self._passed:
+    def _new_text(self, final: bool) -> str:
+        """The text the tokens after the last piece add; held (empty) while it ends in an incomplete character
+        (U+FFFD until a multi-token character's last byte arrives), unless the sequence is over (`final`)."""
+        window = self._decode(self._ids[self._prefix_at :])
+        known = self._decode(self._ids[self._prefix_at : self._read_at])
+        if len(window) <= len(known) or (window.endswith("\ufffd") and not final):
             return ""
-        piece, self._passed = text[self._passed :], len(text)
+        self._prefix_at, self._read_at = self._read_at, len(self._ids)
+        return window[len(known) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=self._dropped is None)) if ids else ""
+
+    def _pass(self, piece: str, armed: bool) -> str:
+        if self.stopped or not piece:
+            return ""
         return self._stops.push(piece, armed)
