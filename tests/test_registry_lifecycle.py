@@ -119,6 +119,19 @@ async def test_a_pinned_model_is_not_evicted(tmp_path: Path) -> None:
     assert [await reg.status(mid) for mid in "abc"] == ["loaded", "unloaded", "loaded"]
 
 
+async def test_a_model_hosting_a_pinned_lora_model_is_not_evicted(tmp_path: Path) -> None:
+    """A LoRA model is served by its base's replica, so pinning it keeps that base loaded."""
+    apps = FakeModelApps()
+    (tmp_path / "adapter").mkdir()
+    lora = {"spec": {"model_id": "tuned", "which": {"type": "lora", "model_id": SMOLLM2["model_id"],
+                                                    "adapter": str(tmp_path / "adapter")}}, "pinned": True}
+    reg = await registry(tmp_path, apps, [entry("a"), lora, entry("b"), entry("c")], max_loaded_models=2)
+    assert reg.state.host_of("tuned") == "a"
+    for model_id in "abc":  # a is the least recently used
+        await reg.ensure_loaded(model_id)
+    assert [await reg.status(mid) for mid in "abc"] == ["loaded", "unloaded", "loaded"]
+
+
 async def test_keep_alive_unloads_an_idle_model(tmp_path: Path) -> None:
     apps = FakeModelApps()
     reg = await registry(tmp_path, apps, [entry("a", keep_alive="0.2s")])

@@ -80,7 +80,7 @@ class CapacityMixin:
         for model_id, record in list(self.state.models.items()):
             if model_id == loading or record.status == "unloaded":
                 continue
-            evictable = record.status == "loaded" and not record.pinned and not self._busy(model_id)
+            evictable = record.status == "loaded" and not self.state.pinned(model_id) and not self._busy(model_id)
             occupants.append(Occupant(model_id, await self._footprint(record), record.last_used_at or 0.0,
                                       record.load_seconds or 0.0, evictable))
         return occupants
@@ -107,7 +107,8 @@ class CapacityMixin:
 
     def _evictable(self, model_id: str, reason: str) -> bool:
         record = self.state.models.get(model_id)
-        pin_holds = record is not None and record.pinned and reason != IDLE  # keep_alive applies to pinned models
+        # keep_alive applies to pinned models
+        pin_holds = record is not None and reason != IDLE and self.state.pinned(model_id)
         return record is not None and record.status == "loaded" and not pin_holds and not self._busy(model_id)
 
     async def _watch_idle(self) -> None:

@@ -167,6 +167,12 @@ class RegistryState(BaseModel):
                 return other_id
         return None
 
+    def pinned(self, model_id: str) -> bool:
+        """Whether capacity must keep `model_id` loaded: it is pinned, or it hosts a pinned LoRA model (which would
+        unload with it)."""
+        return self.models[model_id].pinned or any(
+            record.pinned and self.host_of(other_id) == model_id for other_id, record in self.models.items())
+
     def serving(self, model_id: str) -> ModelRecord:
         """The record of the model whose replica serves `model_id` (itself, or a LoRA model's host)."""
         return self.models[self.host_of(model_id) or model_id]
