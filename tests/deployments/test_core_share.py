@@ -85,3 +85,14 @@ def test_two_engines_in_two_processes_never_take_more_than_the_cores(tmp_path: P
 def test_the_engines_leave_a_core_to_the_serving_path(tmp_path: Path) -> None:
     expected = max(1, core_share.node_cores() - core_share.SERVING_CORES)
     assert core_share.engine_cores() == expected and CoreShare(folder=tmp_path).working() == expected
+
+
+def test_a_deleted_lease_folder_is_made_again(tmp_path: Path) -> None:
+    """A clean-up of /dev/shm or /tmp must not stop an engine: its next refresh makes the folder again."""
+    import shutil
+
+    folder = tmp_path / "cores"
+    engine = CoreShare(cores=2, folder=folder)
+    assert engine.working() == 2
+    shutil.rmtree(folder)
+    assert recount(engine) == [2] and engine.lease.exists()

@@ -78,9 +78,17 @@ class CoreShare:
         now = time.time()
         if now - self._checked_at >= REFRESH_S:
             self._checked_at = now
-            self.lease.touch()
+            self._touch()
             self.threads = self._limit(self._share(now))
         return self.threads
+
+    def _touch(self) -> None:
+        """Refresh the lease, making the folder again if something deleted it (a /dev/shm or /tmp clean-up)."""
+        try:
+            self.lease.touch()
+        except FileNotFoundError:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.lease.touch()
 
     def idle(self) -> None:
         """Give the cores back: the other busy engines take them at their next refresh."""
