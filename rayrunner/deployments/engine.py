@@ -17,6 +17,7 @@ from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
     from rayrunner.deployments.loading import Loaded
+    from rayrunner.deployments.parked_weights import ParkedWeights
     from rayrunner.deployments.sampling_params import SamplingParams
     from rayrunner.deployments.tool_replies import ToolReplies
 
@@ -101,6 +102,16 @@ class Engine(ABC):  # noqa: B024 - every method has a default that refuses the r
     async def between_steps(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine's compute thread while no model call runs (sleep parks the weights there)."""
         raise NotImplementedError
+
+    async def sleep(self, parking: ParkedWeights) -> None:
+        """Free the weights and keep the rest for `wake` (`EngineSlot`): by default `loaded.model`'s are parked in
+        `parking`'s file between steps; engines that hold them elsewhere free them their own way."""
+        model = self.loaded.model
+        await self.between_steps(lambda: parking.park(model))
+
+    async def wake(self, parking: ParkedWeights) -> None:
+        """Put back what `sleep` freed; raise if it cannot (the slot then builds a new engine)."""
+        await self.between_steps(parking.restore)
 
     def chat(self, request: ChatCompletionRequest, params: SamplingParams, adapter: str | None = None
              ) -> AsyncIterator[GenerationEvent]:

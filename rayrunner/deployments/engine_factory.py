@@ -15,7 +15,11 @@ EngineFactory = Callable[[ModelSpec], Engine]
 
 
 def build_engine(spec: ModelSpec) -> Engine:
-    """The engine for the spec's kind (imports are local: a replica loads only what its model needs)."""
+    """The engine for the spec's backend and kind (imports are local: a replica loads only what its model needs)."""
+    if spec.engine.backend == "vllm":
+        from rayrunner.deployments.vllm_engine import VllmEngine
+
+        return VllmEngine(spec)
     if spec.kind == "embedding":
         from rayrunner.deployments.embedding_engine import EmbeddingEngine
 

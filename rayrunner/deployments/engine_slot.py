@@ -1,6 +1,6 @@
-"""The replica's engine behind a slot that can sleep: the weights are parked in a local file and freed while the
-engine stays (process, imports, tokenizer, compute thread, Serve's replica), and the next request or `wake` puts
-them back (`parked_weights`).
+"""The replica's engine behind a slot that can sleep: the engine frees its weights (rayrunner's engines park them in a
+local file, `parked_weights`; vLLM uses its own sleep mode) while the rest stays (process, imports, tokenizer, Serve's
+replica), and the next request or `wake` puts them back.
 
 Every request holds the slot while it runs (`use`), so `sleep` first lets in-flight requests finish, and requests
 that arrive meanwhile wait for it, then wake the engine again. Should the parked weights not come back (the file
@@ -31,6 +31,7 @@ class EngineSlot:
         self._build = build
         self.engine: Engine = build()
         self._weights = ParkedWeights(name)
+        self._asleep = False
         self._lock = asyncio.Lock()  # sleep and wake run alone; requests pass it to start
         self._active = 0
         self._idle = asyncio.Event()
@@ -40,7 +41,7 @@ class EngineSlot:
 
     @property
     def asleep(self) -> bool:
-        return self._weights.parked
+        return self._asleep
 
     @contextlib.asynccontextmanager
     async def use(self) -> AsyncIterator[Engine]:
@@ -68,8 +69,8 @@ class EngineSlot:
             except TimeoutError:
                 raise ModelTimeoutError(
                     f"requests still running after {drain_timeout_s:.0f} s: not put to sleep") from None
-            model = self.engine.loaded.model
-            await self.engine.between_steps(lambda: self._weights.park(model))
+            await self.engine.sleep(self._weights)
+            self._asleep = True
             _free_memory()
             self.slept_at = time.time()
 
@@ -81,10 +82,11 @@ class EngineSlot:
     async def _wake(self) -> None:
         start = time.perf_counter()
         try:
-            await self.engine.between_steps(self._weights.restore)
+            await self.engine.wake(self._weights)
         except Exception:
             logger.exception("the parked weights did not come back: loading the model again")
             await self._rebuild()
+        self._asleep = False
         self.last_wake_s = time.perf_counter() - start
         self.slept_at = None
         logger.info("woke up in %.2f s", self.last_wake_s)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from rayrunner.deployments import responses
 from rayrunner.deployments.engine import Engine, GenerationEvent
 from rayrunner.deployments.engine_factory import EngineFactory, build_engine
 from rayrunner.deployments.sampling_params import sampling_params
+from rayrunner.deployments.vllm_runtime import vllm_runtime_env
 from rayrunner.errors import InvalidRequestError
 from rayrunner.models.load_progress import for_model
 from rayrunner.models.spec import EngineSettings, ModelSpec
@@ -120,9 +122,10 @@ class ModelServer:
         self.slot.engine.check_health()
 
     def info(self) -> dict[str, Any]:
-        """What this replica loaded (nothing while asleep), its sleep state, pid and start time."""
+        """What this replica loaded (nothing while asleep), its sleep state, pid, interpreter and start time."""
         loaded = {} if self.slot.asleep else dataclasses.asdict(self.slot.engine.info())
-        return {**loaded, **self.slot.state(), "pid": os.getpid(), "started_at": self.started_at,
+        return {**loaded, **self.slot.state(), "pid": os.getpid(), "python": sys.executable,
+                "started_at": self.started_at,
                 "process_rss_bytes": _rss_bytes()}
 
     def worker(self) -> dict[str, Any]:
@@ -177,11 +180,16 @@ def model_deployment(spec: ModelSpec) -> Application:
             graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
             graceful_shutdown_wait_loop_s=0.5,
             max_constructor_retry_count=1,  # a broken model does not heal by retrying; fail fast instead
-            # RAYRUNNER_PRELOAD: the worker imports the model stack as it starts (see rayrunner.runtime.warm_workers)
-            ray_actor_options={**settings.ray_actor_options(), "runtime_env": REPLICA_RUNTIME_ENV},
+            ray_actor_options={**settings.ray_actor_options(), "runtime_env": _runtime_env(settings)},
         )(ModelServer)
         .bind(spec.model_dump(mode="json"))
     )
+
+
+def _runtime_env(settings: EngineSettings) -> dict[str, Any]:
+    """vLLM's interpreter for the vllm backend (`vllm_runtime`); otherwise RAYRUNNER_PRELOAD: the worker imports
+    the model stack as it starts (see rayrunner.runtime.warm_workers)."""
+    return vllm_runtime_env(settings) if settings.backend == "vllm" else REPLICA_RUNTIME_ENV
 
 
 def build_model_app(args: dict[str, Any]) -> Application:

@@ -12,20 +12,18 @@ from typing import TypeVar
 
 from transformers import AutoModelForCausalLM
 
-from rayrunner.deployments.chat_prompt import chat_template_text, render_chat
+from rayrunner.deployments.chat_tokens import ChatTokens
 from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, bounded_max_tokens, describe
 from rayrunner.deployments.loading import Loaded, load_model
 from rayrunner.deployments.sampling_params import LogitsProcessor, SamplingParams
 from rayrunner.deployments.step.compute_thread import ComputeThread
 from rayrunner.deployments.step.constrained import Grammars
-from rayrunner.deployments.step.detokenizer import Detokenizer, special_ids
+from rayrunner.deployments.step.detokenizer import Detokenizer
 from rayrunner.deployments.step.lora import LoraAdapters, adapter_folder
 from rayrunner.deployments.step.scheduler import StepScheduler, scheduler_limits
 from rayrunner.deployments.step.sequence import stop_ids
 from rayrunner.deployments.structured_output import JsonTarget, json_target
-from rayrunner.deployments.tool_calls import markers, tool_format
-from rayrunner.deployments.tool_replies import ToolReplies
-from rayrunner.errors import InvalidRequestError, UnsupportedRequestError
+from rayrunner.errors import InvalidRequestError
 from rayrunner.models.spec import ModelSpec
 from rayrunner.models.which import Lora
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
@@ -33,7 +31,7 @@ from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
 T = TypeVar("T")
 
 
-class TextEngine(Engine):
+class TextEngine(ChatTokens, Engine):
     kind = "text"
 
     def __init__(self, spec: ModelSpec, loaded: Loaded | None = None) -> None:
@@ -79,27 +77,10 @@ class TextEngine(Engine):
 
     def chat(self, request: ChatCompletionRequest, params: SamplingParams, adapter: str | None = None
              ) -> AsyncIterator[GenerationEvent]:
-        if request.has_images():
-            raise UnsupportedRequestError("this is a text model: image inputs need a multimodal model")
         target = json_target(request)
-        text = render_chat(self.tokenizer, request.messages, request.tools, self.spec.engine.chat_template,
-                           tool_choice_none=request.tool_choice == "none",
-                           system_note=target.system_note if target else None)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self.chat_ids(request, target)
         params.constraint = self._constraint(target)
-        return self._generate(ids, params, adapter, self._tool_markers(request))
-
-    def tool_replies(self, request: ChatCompletionRequest) -> ToolReplies | None:
-        template = chat_template_text(self.tokenizer, self.spec.engine.chat_template, request.tools)
-        return ToolReplies.of(request, tool_format(template))
-
-    def _tool_markers(self, request: ChatCompletionRequest) -> frozenset[int]:
-        """The special tokens that mark a call in the model's tool format (Mistral's `[TOOL_CALLS]`), kept in an
-        `auto` reply's text so the parser sees them; none for other requests."""
-        replies = self.tool_replies(request) if request.tools else None
-        if replies is None or replies.forced:
-            return frozenset()
-        return special_ids(self.tokenizer, markers(replies.fmt))
+        return self._generate(ids, params, adapter, self.tool_markers(request))
 
     def _constraint(self, target: JsonTarget | None) -> Callable[[], LogitsProcessor] | None:
         """The grammar of a chat's JSON answer (a forced tool call's or the response_format's), if it has one."""

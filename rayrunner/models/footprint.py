@@ -1,7 +1,7 @@
 """A model's memory before it is loaded, for `max_loaded_bytes`: its weights at the dtype it will load in (read
 from the safetensors headers or the GGUF file's size), shrunk by in-situ quantization, plus a KV cache reserve of
-one full-length sequence (from config.json). Rough by design; once a model has loaded, its measured weight bytes
-replace the weight part.
+one full-length sequence (from config.json), or the KV cache the vllm backend reserves. Rough by design; once a
+model has loaded, its measured weight bytes replace the weight part.
 """
 
 from __future__ import annotations
@@ -54,6 +54,15 @@ def _cached_hub_folder(repo_id: str, revision: str | None, cache: str | None) ->
     return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
 
 
+def expected_weight_bytes(spec: ModelSpec) -> int:
+    """The weights' bytes once loaded, from their files (0 when they are not on this machine)."""
+    folder, gguf_file = _local_source(spec)
+    try:
+        return _weight_bytes(spec, folder, gguf_file) if folder is not None else 0
+    except (OSError, ValueError, struct.error):
+        return 0
+
+
 def _weight_bytes(spec: ModelSpec, folder: Path, gguf_file: str | None) -> int:
     if gguf_file is not None:
         count = (folder / gguf_file).stat().st_size * 2  # about 4 bits a weight, dequantized on load
@@ -81,6 +90,8 @@ def _safetensors_numel(path: Path) -> int:
 
 
 def _kv_reserve(spec: ModelSpec, folder: Path) -> int:
+    if spec.engine.backend == "vllm":
+        return spec.engine.vllm.kv_cache_bytes  # what vLLM reserves at start, used or not
     config_path = folder / "config.json"
     if not config_path.exists():
         return 0

@@ -16,10 +16,43 @@ from rayrunner.models.which import Which, WhichSpec
 from rayrunner.protocol import DEFAULT_MODEL
 
 
+class VllmSettings(BaseModel):
+    """How the `vllm` backend runs its engine (`rayrunner.deployments.vllm_engine`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kv_cache_bytes: int = Field(
+        1 << 30, ge=1 << 20, description="Bytes vLLM reserves for its KV cache (CPU and GPU alike), counted by "
+        "capacity; vLLM's own default takes 90% of the device's memory, which leaves no room for another model."
+    )
+    compile: bool = Field(
+        False, description="torch.compile and CUDA graphs (vLLM's default): faster decode, minutes more at start; "
+        "off runs eager (`enforce_eager`)."
+    )
+    sleep_level: Literal[1, 2] = Field(
+        1, description="CUDA sleep: 1 offloads the weights to host memory (wake without reading them again), 2 drops "
+        "them. On CPU, sleep ends the engine and wake starts it again."
+    )
+    python: str | None = Field(
+        None, description="The interpreter of this model's replicas, a venv holding vLLM and the same Ray (default: "
+        "`$RAYRUNNER_VLLM_PYTHON`, else this interpreter when it imports vllm, else the checkout's `.venv-vllm`)."
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="More of vLLM's `AsyncEngineArgs` by name (e.g. `gpu_memory_utilization`), "
+        "checked by vLLM when the model loads."
+    )
+
+
 class EngineSettings(BaseModel):
     """How a model's replica runs: placement, batching and request limits."""
 
     model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers", description="The engine inside the replica: rayrunner's own (transformers' modelling and "
+        "rayrunner's step scheduler), or vLLM's async engine (text models; settings in `vllm`)."
+    )
+    vllm: VllmSettings = Field(default_factory=VllmSettings, description="The `vllm` backend's settings.")
 
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto`: cuda when the replica has a GPU.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved by each replica.")
@@ -129,6 +162,19 @@ class ModelSpec(BaseModel):
 
         return parse_isq(value).name
 
+    @model_validator(mode="after")
+    def _backend_serves_it(self) -> ModelSpec:
+        """The vllm backend serves text models (plain, GGUF, LoRA) and quantizes in situ only to FP8."""
+        if self.engine.backend != "vllm":
+            return self
+        if self.kind != "text":
+            raise ValueError(f"engine.backend `vllm` serves text models, not {self.kind} ones (use the "
+                             "`transformers` backend)")
+        if self.in_situ_quant not in (None, "FP8"):
+            raise ValueError(f"in_situ_quant `{self.in_situ_quant}`: the vllm backend quantizes in situ only to "
+                             "`FP8` (vLLM's `quantization: fp8`, on CUDA)")
+        return self
+
     @property
     def kind(self) -> str:
         return self.which.kind
@@ -160,6 +206,9 @@ def build_spec(
         )
     except ValidationError as exc:
         err = exc.errors()[0]
+        if not err["loc"]:  # the spec as a whole (`_backend_serves_it`): its message starts with the field's name
+            message = err["msg"].removeprefix("Value error, ")
+            raise InvalidSpecError(message, param=re.split(r"[ .]", message, maxsplit=1)[0]) from None
         raise InvalidSpecError(
             f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}", param=str(err["loc"][0])
         ) from None
