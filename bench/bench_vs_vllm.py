@@ -63,14 +63,15 @@ def vllm_folder(builtin: Path, target: Path) -> Path:
 
 
 @contextmanager
-def vllm_server(python: Path, folder: Path, log: Path) -> Iterator[str]:
-    """vLLM's OpenAI server on `folder` (as model `SERVED`) in its own process group; yields its base URL once
-    healthy, and stops the group on exit."""
+def vllm_server(python: Path, folder: Path, log: Path, extra: tuple[str, ...] = ()) -> Iterator[str]:
+    """vLLM's OpenAI server on `folder` (as model `SERVED`, with `extra` arguments) in its own process group; yields
+    its base URL once healthy, and stops the group on exit."""
     port = free_port(set())
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "DO_NOT_TRACK": "1"}
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name",
-               SERVED, "--dtype", "bfloat16", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port)]
+               SERVED, "--dtype", "bfloat16", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
+               *extra]
     with log.open("w") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"

@@ -282,16 +282,17 @@ class MultiModelBuilder:
         self._default: str | None = None
 
     def add_model(self, which: Any, in_situ_quant: str | None = None, model_id: str | None = None,
-                  load: bool = True, *, pinned: bool = False, keep_alive: str | float | None = None
-                  ) -> MultiModelBuilder:
-        self._models.append((_entry(model_id, which, in_situ_quant, [], load, None, pinned, keep_alive),
+                  load: bool = True, *, pinned: bool = False, keep_alive: str | float | None = None,
+                  engine: dict[str, Any] | None = None) -> MultiModelBuilder:
+        """`engine`: the model's engine settings (e.g. `{"backend": "vllm"}`)."""
+        self._models.append((_entry(model_id, which, in_situ_quant, [], load, engine, pinned, keep_alive),
                              model_id is None))
         return self
 
     def add_model_with_alias(self, alias: str, which: Any, in_situ_quant: str | None = None,
-                             load: bool = True, *, pinned: bool = False, keep_alive: str | float | None = None
-                             ) -> MultiModelBuilder:
-        self._models.append((_entry(None, which, in_situ_quant, [alias], load, None, pinned, keep_alive), True))
+                             load: bool = True, *, pinned: bool = False, keep_alive: str | float | None = None,
+                             engine: dict[str, Any] | None = None) -> MultiModelBuilder:
+        self._models.append((_entry(None, which, in_situ_quant, [alias], load, engine, pinned, keep_alive), True))
         return self
 
     def with_default_model(self, model: str) -> MultiModelBuilder:

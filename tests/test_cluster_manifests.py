@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import sys
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -18,6 +19,7 @@ import yaml
 from ray.serve import Application
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
+from rayrunner.deployments.vllm_runtime import PYTHON_ENV_VAR
 from rayrunner.models.spec import ModelSpec
 from rayrunner.registry.config import RegistryConfig
 
@@ -44,7 +46,7 @@ def launcher() -> dict[str, Any]:
 
 def serve_configs() -> dict[str, dict[str, Any]]:
     """Every serve config shipped: the files, and the one the RayService embeds."""
-    files = (ROOT / "serve_config.yaml", CLUSTER / "serve_config.gpu.yaml")
+    files = (ROOT / "serve_config.yaml", ROOT / "serve_config.vllm.yaml", CLUSTER / "serve_config.gpu.yaml")
     configs = {path.name: documents(path)[0] for path in files}
     configs["rayservice.yaml serveConfigV2"] = yaml.safe_load(rayservice()["spec"]["serveConfigV2"])
     return configs
@@ -73,15 +75,17 @@ def build(import_path: str, args: dict[str, Any]) -> Application:
     return app
 
 
-@pytest.mark.parametrize("path", sorted([*CLUSTER.glob("*.yaml"), *CLUSTER.glob("*.yml"), ROOT / "serve_config.yaml"]),
-                         ids=lambda path: path.name)
+@pytest.mark.parametrize("path", sorted([*CLUSTER.glob("*.yaml"), *CLUSTER.glob("*.yml"),
+                                         *ROOT.glob("serve_config*.yaml")]), ids=lambda path: path.name)
 def test_every_yaml_file_parses_to_mappings(path: Path) -> None:
     docs = documents(path)
     assert docs and all(isinstance(doc, dict) for doc in docs)
 
 
 @pytest.mark.parametrize("name", sorted(serve_configs()))
-def test_ray_serve_accepts_the_config_and_each_app_builds_what_rayrunner_builds(name: str) -> None:
+def test_ray_serve_accepts_the_config_and_each_app_builds_what_rayrunner_builds(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PYTHON_ENV_VAR, sys.executable)  # vllm-backend apps build without vLLM's venv installed
     config = serve_configs()[name]
     ServeDeploySchema.model_validate(config)
     assert not _unknown_keys(config), "Serve ignores these keys without a word"
