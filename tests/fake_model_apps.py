@@ -50,6 +50,10 @@ class FakeModelApps:
         found = self.apps.get(app)
         return None if found is None else found.spec.model_dump(mode="json")
 
+    async def replica_counts(self) -> dict[str, dict[str, int]]:
+        return {name: {"running": int(app.running), "starting": 0, "target": int(app.running)}
+                for name, app in self.apps.items()}
+
     async def deploy(self, spec: ModelSpec) -> None:
         self.calls.append(("deploy", spec.app_name))
         self.apps[spec.app_name] = app = FakeApp(spec)

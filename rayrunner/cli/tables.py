@@ -7,7 +7,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-COLUMNS = ("MODEL", "STATUS", "KIND", "ALIASES", "DEFAULT", "MEMORY", "QUANT", "IN FLIGHT", "UNLOADED", "LAST ERROR")
+COLUMNS = ("MODEL", "STATUS", "KIND", "ALIASES", "DEFAULT", "REPLICAS", "MEMORY", "QUANT", "IN FLIGHT", "UNLOADED",
+           "LAST ERROR")
 NONE = "-"
 MAX_ERROR_CHARS = 80  # `ps --json` has the whole message
 
@@ -50,6 +51,15 @@ def status(model: dict[str, Any]) -> str:
     return f"reloading ({progress['phase']})"
 
 
+def replicas(model: dict[str, Any]) -> str:
+    """`running/target`, with the replicas still starting: "1/2 (+1 starting)"; "-" when unknown."""
+    counts = model.get("replicas")
+    if not counts:
+        return NONE
+    starting = f" (+{counts['starting']} starting)" if counts.get("starting") else ""
+    return f"{counts['running']}/{counts['target']}{starting}"
+
+
 def _short(text: str | None) -> str:
     if not text:
         return NONE
@@ -65,6 +75,7 @@ def row(model: dict[str, Any]) -> list[str]:
         model.get("kind") or NONE,
         ", ".join(model.get("aliases") or []) or NONE,
         "*" if model.get("is_default") else "",
+        replicas(model),
         memory(model),
         (model.get("spec") or {}).get("in_situ_quant") or NONE,
         str(model.get("in_flight") or 0),

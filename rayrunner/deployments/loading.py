@@ -126,7 +126,8 @@ def _model(spec: ModelSpec, auto_class: Any, source: ResolvedSource, device: str
         # Memory-mapped (transformers' default; private, so a change to a weight copies only its pages): the
         # weights are the cache file's pages, freed with the process. In a fresh replica process, reading them
         # into new memory instead (`disable_mmap=True`) took SmolLM2 bf16 0.5-0.6 s against 0.2-0.26 s mapped.
-        model = auto_class.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=dtype, device_map=device)
+        model = auto_class.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=dtype,
+                                           device_map=_device_map(spec, device))
     model.eval()
     if source.gguf_file is not None:
         model.hf_quantizer = None  # GGUF is dequantized on load; the in-memory weights are plain tensors
@@ -139,6 +140,12 @@ def _model(spec: ModelSpec, auto_class: Any, source: ResolvedSource, device: str
     if cache is not None:
         cache.save(model, quantization)
     return model, quantization
+
+
+def _device_map(spec: ModelSpec, device: str) -> str:
+    """`auto` (accelerate's layers spread over the replica's GPUs) for a replica that reserved several, else the
+    one device."""
+    return "auto" if device == "cuda" and spec.engine.num_gpus > 1 and torch.cuda.device_count() > 1 else device
 
 
 @contextlib.contextmanager

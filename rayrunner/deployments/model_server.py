@@ -51,6 +51,7 @@ class ModelServer:
         _set_torch_threads(self.spec.engine)
         self.slot: EngineSlot = EngineSlot(self._build_engine, self.spec.app_name)
         self.started_at = time.time()
+        self.requests_served = 0  # generation requests this replica took (how Serve spreads them over replicas)
 
     def _build_engine(self) -> Engine:
         """The engine, built at start (and again by a wake whose parked weights are lost); the load progress it
@@ -96,6 +97,7 @@ class ModelServer:
 
     async def _measured(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
         """The engine's events, each finished choice's figures recorded (`rayrunner.runtime.metrics.generation`)."""
+        self.requests_served += 1
         async for event in events:
             if event.finish_reason is not None:
                 metrics.generation(self.spec.model_id, event)
@@ -125,7 +127,7 @@ class ModelServer:
         """What this replica loaded (nothing while asleep), its sleep state, pid, interpreter and start time."""
         loaded = {} if self.slot.asleep else dataclasses.asdict(self.slot.engine.info())
         return {**loaded, **self.slot.state(), "pid": os.getpid(), "python": sys.executable,
-                "started_at": self.started_at,
+                "started_at": self.started_at, "requests_served": self.requests_served,
                 "process_rss_bytes": _rss_bytes()}
 
     def worker(self) -> dict[str, Any]:
@@ -170,12 +172,13 @@ def _set_torch_threads(settings: EngineSettings) -> None:
 
 
 def model_deployment(spec: ModelSpec) -> Application:
-    """The Serve application of one model: a single `ModelServer` deployment placed by the spec's settings."""
+    """The Serve application of one model: its `ModelServer` deployment, with the replicas and placement of the
+    spec's settings."""
     settings = spec.engine
     return (
         serve.deployment(
             name=DEPLOYMENT,
-            num_replicas=1,
+            **settings.serve_options(),
             max_ongoing_requests=settings.replica_max_ongoing_requests(),
             graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
             graceful_shutdown_wait_loop_s=0.5,

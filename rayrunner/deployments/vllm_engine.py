@@ -204,6 +204,8 @@ def _engine_args(spec: ModelSpec, model: str, tokenizer: str, device: str) -> As
     }
     if settings.max_seq_len is not None:
         args["max_model_len"] = settings.max_seq_len
+    if settings.num_gpus > 1:
+        args["tensor_parallel_size"] = int(settings.num_gpus)  # the replica's GPUs, one shard each
     if spec.in_situ_quant == "FP8":
         if device != "cuda":
             raise ModelLoadError("in_situ_quant `FP8` on the vllm backend needs a CUDA device")

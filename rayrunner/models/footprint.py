@@ -20,7 +20,12 @@ _KV_TOKENS_CAP = 4096  # a reserve for one sequence, not the model's whole conte
 
 
 def estimate_bytes(spec: ModelSpec, measured_weight_bytes: int | None = None) -> int:
-    """Weights plus KV reserve; 0 when the weights cannot be found or read locally (nothing is downloaded here)."""
+    """Weights plus KV reserve, times the most replicas the model may run (each holds both); 0 when the weights
+    cannot be found or read locally (nothing is downloaded here). `measured_weight_bytes`: one replica's."""
+    return _replica_bytes(spec, measured_weight_bytes) * spec.engine.max_replicas
+
+
+def _replica_bytes(spec: ModelSpec, measured_weight_bytes: int | None) -> int:
     folder, gguf_file = _local_source(spec)
     if folder is None:
         return measured_weight_bytes or 0

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rayrunner.errors import InvalidSpecError
+from rayrunner.models.replicas import Replicas
 from rayrunner.models.which import Which, WhichSpec
 from rayrunner.protocol import DEFAULT_MODEL
 
@@ -43,8 +44,8 @@ class VllmSettings(BaseModel):
     )
 
 
-class EngineSettings(BaseModel):
-    """How a model's replica runs: placement, batching and request limits."""
+class EngineSettings(Replicas):
+    """How a model's replicas run: how many (`Replicas`), placement, batching and request limits."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -55,7 +56,8 @@ class EngineSettings(BaseModel):
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="The `vllm` backend's settings.")
 
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto`: cuda when the replica has a GPU.")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved by each replica.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved by each replica; above 1 a whole number, the "
+                            "model spread over them (transformers: layers by `device_map`; vllm: tensor parallel).")
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each replica (fractional is fine).")
     accelerator_type: str | None = Field(
         None, min_length=1, description="Ray's `accelerator_type` (e.g. `A10G`, `H100`): the replica runs only on a "
@@ -107,6 +109,13 @@ class EngineSettings(BaseModel):
             if "max_batch_size" in data:
                 data.setdefault("max_num_seqs", data.pop("max_batch_size"))
         return data
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _whole_above_one(cls, value: float) -> float:
+        if value > 1 and not value.is_integer():
+            raise ValueError(f"{value} GPUs: a replica takes a fraction of one GPU or a whole number of them")
+        return value
 
     @field_validator("resources")
     @classmethod

@@ -46,6 +46,7 @@ from rayrunner.registry.capacity import InFlightBook
 from rayrunner.registry.config import RegistryConfig
 from rayrunner.registry.eviction import CapacityMixin
 from rayrunner.registry.model_apps import ModelApps, ServeModelApps
+from rayrunner.registry.replica_watch import watch_replicas
 from rayrunner.registry.state import ModelEntry, ModelRecord, RegistryState, UnloadMode
 from rayrunner.runtime import metrics
 
@@ -96,6 +97,8 @@ class Registry(CapacityMixin):
     async def _ensure_reconciled(self) -> None:
         if self._idle_timer is None:
             self._idle_timer = asyncio.get_running_loop().create_task(self._watch_idle())
+            self._spawn(watch_replicas(self.apps, lambda: {r.spec.app_name: mid for mid, r in self.state.models.items()
+                                                           if self.state.host_of(mid) is None}))
         if not self._reconciled:
             await self._reconcile(set(), set())
 
@@ -158,11 +161,20 @@ class Registry(CapacityMixin):
 
     async def cards(self) -> list[dict[str, Any]]:
         await self._ensure_reconciled()
-        return [self._card(mid) for mid in self.state.models]
+        replicas = await self._replica_counts()
+        return [self._card(mid, replicas) for mid in self.state.models]
 
     async def card(self, name: str) -> dict[str, Any]:
         await self._ensure_reconciled()
-        return self._card(self.state.resolve(name))
+        return self._card(self.state.resolve(name), await self._replica_counts())
+
+    async def _replica_counts(self) -> dict[str, dict[str, int]]:
+        """Each model app's replicas (running, starting, target); none when Serve cannot tell right now."""
+        try:
+            return await self.apps.replica_counts()
+        except Exception:
+            logger.warning("replica counts unavailable", exc_info=True)
+            return {}
 
     async def status(self, name: str) -> str:
         await self._ensure_reconciled()
@@ -171,7 +183,8 @@ class Registry(CapacityMixin):
     async def default_id(self) -> str | None:
         return self.state.default_id
 
-    def _card(self, model_id: str) -> dict[str, Any]:
+    def _card(self, model_id: str, replicas: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+        """The model's card; with `replicas` (Serve's counts per app, `_replica_counts`), its own among them."""
         record = self.state.models[model_id]
         card = record.model_dump(mode="json")
         host = self.state.host_of(model_id)
@@ -180,6 +193,8 @@ class Registry(CapacityMixin):
         serving = self.state.models[host or model_id]
         if serving.status == "reloading":  # the phase its replica pushes while loading
             card["load_progress"] = load_progress.read(serving.spec.app_name)
+        if replicas is not None:
+            card["replicas"] = replicas.get(serving.spec.app_name, {"running": 0, "starting": 0, "target": 0})
         return {**card, "model_id": model_id, "kind": record.spec.kind, "is_default": model_id == self.state.default_id,
                 "in_flight": self._in_flight.count(model_id, time.time())}
 
@@ -408,9 +423,14 @@ class Registry(CapacityMixin):
         self._persist()
 
     async def _scale_down(self, record: ModelRecord, reason: str) -> None:
-        """Unload (caller holds the model's lock): `unloaded` at once, then the replica drains and exits."""
+        """Unload (caller holds the model's lock): `unloaded` at once, then the replicas drain and exit. An
+        autoscaled model's app is deleted instead (Serve's autoscaler would scale it back to its minimum); the next
+        load deploys it again, as after any stop."""
         self._mark_unloaded(record, reason, "stop")
-        await self.apps.scale_to_zero(record.spec.app_name, self.config.unload_timeout_s)
+        if record.spec.engine.autoscaling_config is not None:
+            await asyncio.wait_for(self.apps.delete(record.spec.app_name), self.config.unload_timeout_s)
+        else:
+            await self.apps.scale_to_zero(record.spec.app_name, self.config.unload_timeout_s)
         record.info = {}
         self._persist()
 

@@ -33,6 +33,8 @@ from rayrunner.runtime.warm_workers import SPARE_DELAY_S, WarmSpares
 
 _POLL_S = 0.2
 _FAILED = {"DEPLOY_FAILED", "UNHEALTHY"}
+# A deployment with a running replica serves in these; a load returns at its first replica (the rest still start).
+_SERVING = {"HEALTHY", "UPDATING", "UPSCALING", "DOWNSCALING"}
 # Held around Serve calls that build Serve config objects (`serve.status()`, building a deployment): each pickles
 # the request router by registering its module for pickling by value and unregistering it after, which is not
 # thread-safe; two at once in one process fail with "... is not registered for pickle by value".
@@ -94,6 +96,7 @@ class ModelApps(Protocol):
 
     async def state(self, app: str) -> AppState: ...
     async def deployed_args(self, app: str) -> dict[str, Any] | None: ...
+    async def replica_counts(self) -> dict[str, dict[str, int]]: ...
     async def deploy(self, spec: ModelSpec) -> None: ...
     async def wait_loaded(self, app: str, timeout_s: float) -> None: ...
     async def new_replica_info(self, app: str, deployed_at: float, timeout_s: float) -> dict[str, Any]: ...
@@ -126,6 +129,22 @@ class ServeModelApps:
         args: dict[str, Any] | None = (details.get("deployed_app_config") or {}).get("args")
         return args
 
+    async def replica_counts(self) -> dict[str, dict[str, int]]:
+        """Each app's replicas now: `running`, `starting` and Serve's current `target` (an autoscaled model's moves
+        with load). One read of the dashboard's Serve REST API for every app."""
+        async with httpx.AsyncClient(timeout=30) as client:
+            response = await client.get(f"{dashboard_url()}/api/serve/applications/")
+        response.raise_for_status()
+        counts = {}
+        for app, details in (response.json().get("applications") or {}).items():
+            deployment = (details.get("deployments") or {}).get(DEPLOYMENT)
+            if deployment is None:
+                continue
+            states = [replica.get("state") for replica in deployment.get("replicas") or []]
+            counts[app] = {"running": states.count("RUNNING"), "starting": states.count("STARTING"),
+                           "target": int(deployment.get("target_num_replicas") or 0)}
+        return counts
+
     async def deploy(self, spec: ModelSpec) -> None:
         """Submit the model's app (one replica) to Serve; `wait_loaded` then follows it to RUNNING or to its
         failure. A replica that no node of the cluster could ever hold is refused first (`UnplaceableModelError`).
@@ -142,11 +161,12 @@ class ServeModelApps:
         await asyncio.to_thread(submit)
 
     async def wait_loaded(self, app: str, timeout_s: float) -> None:
-        """Until a replica is RUNNING; a failed start raises ModelLoadError with Serve's message."""
+        """Until a replica is RUNNING (the first of several: the others keep starting); a failed start raises
+        ModelLoadError with Serve's message."""
         deadline = time.monotonic() + timeout_s
         while True:
             state = await self.state(app)
-            if state.running >= 1 and state.deployment_status == "HEALTHY":
+            if state.running >= 1 and state.deployment_status in _SERVING:
                 return
             # The app's status, not the deployment's: right after a deploy the deployment can still show the old
             # version's status (UNHEALTHY after its replica's node died) until Serve's next control loop, while the
@@ -195,15 +215,15 @@ class ServeModelApps:
         return await _call_replica(app, "info")
 
     async def sleep(self, app: str) -> dict[str, Any]:
-        return await _call_replica(app, "sleep")
+        return await _call_every_replica(app, "sleep")
 
     async def wake(self, app: str) -> dict[str, Any]:
-        return await _call_replica(app, "wake")
+        return await _call_every_replica(app, "wake")
 
     async def asleep(self, app: str) -> bool:
-        """Whether the app's replica is running and asleep (else a load deploys it afresh)."""
+        """Whether the app's replicas are running and asleep (else a load deploys it afresh)."""
         state = await self.state(app)
-        return state.running >= 1 and state.deployment_status == "HEALTHY" and await self.replica_asleep(app)
+        return state.running >= 1 and state.deployment_status in _SERVING and await self.replica_asleep(app)
 
     async def replica_asleep(self, app: str) -> bool:
         """Whether the app's running replica says it is asleep (unreachable counts as no)."""
@@ -228,7 +248,25 @@ ReplicaCall = Literal["info", "sleep", "wake", "worker"]
 
 
 async def _call_replica(app: str, method: ReplicaCall) -> dict[str, Any]:
-    """A call on the model's replica; each answers the replica's info (`worker`: its worker's)."""
+    """A call on one of the model's replicas; each answers the replica's info (`worker`: its worker's)."""
     handle = serve.get_deployment_handle(DEPLOYMENT, app_name=app)
     result: dict[str, Any] = await getattr(handle, method).remote()
     return result
+
+
+async def _call_every_replica(app: str, method: ReplicaCall) -> dict[str, Any]:
+    """A call on every running replica at once (Serve's `broadcast`): the first one's info, with the memory all
+    their processes hold and each one's pid. A replica that died meanwhile is left out (Serve replaces it)."""
+    from ray.exceptions import RayActorError
+
+    handle = serve.get_deployment_handle(DEPLOYMENT, app_name=app)
+    results = await handle.broadcast(method).results_async(return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException) and not isinstance(r, RayActorError)]
+    if failed:
+        raise failed[0]
+    infos: list[dict[str, Any]] = [r for r in results if isinstance(r, dict)]
+    if not infos:
+        raise ModelLoadError(f"model app `{app}` has no running replica to {method}")
+    held = [info.get("process_rss_bytes") for info in infos]
+    total = sum(b for b in held if b is not None) if any(b is not None for b in held) else None
+    return {**infos[0], "process_rss_bytes": total, "replica_pids": [info.get("pid") for info in infos]}

@@ -39,6 +39,7 @@ def model_object(card: dict[str, Any]) -> dict[str, Any]:
         "unload_mode": card["unload_mode"] if card["status"] == "unloaded" else None,
         "held_bytes": info.get("process_rss_bytes") if card["status"] == "unloaded" else None,
         "load_progress": card.get("load_progress"),  # while `reloading`: the phase the replica is in
+        "replicas": card.get("replicas"),  # running, starting and Serve's target
     }
 
 

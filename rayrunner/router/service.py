@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Literal, TypeVar
@@ -15,13 +16,15 @@ from typing import Any, Literal, TypeVar
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from rayrunner.errors import UnsupportedRequestError, client_error
+from rayrunner.errors import ModelUnavailableError, UnsupportedRequestError, client_error
 from rayrunner.registry import model_apps
 from rayrunner.registry.actor import get_registry
 from rayrunner.registry.config import RegistryConfig
 from rayrunner.router.routes import RoutingTable
 from rayrunner.router.usage import UsageTracker
 from rayrunner.runtime.transport import direct
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -60,7 +63,11 @@ class RouterService:
         with self._open(serving, body):
             await self._loaded(target)
             handle = self._handle(target["app_name"])
-            result: dict[str, Any] = await self._guard(getattr(handle, method).remote(_for(target, body)), serving)
+            try:
+                result: dict[str, Any] = await self._guard(getattr(handle, method).remote(_for(target, body)), serving)
+            except ModelUnavailableError:  # its replica died: nothing reached the caller, so another one answers
+                logger.info("`%s`: a replica died under a %s request; sending it again", serving, method)
+                result = await self._guard(getattr(handle, method).remote(_for(target, body)), serving)
         return result
 
     async def stream(self, name: str, method: ModelStream, body: dict[str, Any], kinds: set[str]) -> AsyncIterator[Any]:
@@ -73,20 +80,29 @@ class RouterService:
         try:
             await self._loaded(target)
             handle = self._handle(target["app_name"]).options(stream=True)
-            generator = getattr(handle, method).remote(_for(target, body))
             try:
-                first = await self._guard(generator.__anext__(), model_id)
-            except StopAsyncIteration:
-                first = None
-            except BaseException:
-                generator.cancel()
-                raise
+                generator, first = await self._first(handle, method, _for(target, body), model_id)
+            except ModelUnavailableError:  # its replica died before the first chunk: another one streams it
+                logger.info("`%s`: a replica died before a %s stream began; starting it again", model_id, method)
+                generator, first = await self._first(handle, method, _for(target, body), model_id)
         except BaseException:
             close()
             raise
         stream = _prepend(first, generator, model_id, close)
         weakref.finalize(stream, close)
         return stream
+
+    async def _first(self, handle: DeploymentHandle, method: ModelStream, body: dict[str, Any], model_id: str
+                     ) -> tuple[Any, Any]:
+        """A model stream and its first item (None for an empty stream); the stream is cancelled if that fails."""
+        generator = getattr(handle, method).remote(body)
+        try:
+            return generator, await self._guard(generator.__anext__(), model_id)
+        except StopAsyncIteration:
+            return generator, None
+        except BaseException:
+            generator.cancel()
+            raise
 
     def model_label(self, name: str) -> str:
         """The model id `name` routes to, for metrics: `unknown` for names that route nowhere (no label growth)."""

@@ -111,6 +111,13 @@ def model_unloaded(model: str, reason: str, mode: str) -> None:
     weights(model, 0)
 
 
+def replicas(model: str, running: int, target: int) -> None:
+    """The model's replicas running now and Serve's target for it (an autoscaled model's moves with load)."""
+    gauge = _gauge("rayrunner_model_replicas", "Replicas of the model: running, and Serve's target.", "state")
+    _held.set(gauge, float(running), {"model": model, "state": "running"})
+    _held.set(gauge, float(target), {"model": model, "state": "target"})
+
+
 def weights(model: str, weight_bytes: int) -> None:
     _held.set(_gauge("rayrunner_model_weight_bytes", "Bytes of weights the model's replica holds (0 when unloaded)."),
               float(weight_bytes), {"model": model})

@@ -48,3 +48,9 @@ def test_a_loading_model_shows_its_phase() -> None:
     assert cells(model(status="reloading", load_progress=downloading))["STATUS"] == \
         "reloading (downloading 3.0 MiB/12.0 MiB)"
     assert cells(model(status="reloading", load_progress=None))["STATUS"] == "reloading"  # its replica not started
+
+
+def test_replicas_show_running_over_target_and_those_starting() -> None:
+    assert cells(model(replicas={"running": 1, "starting": 1, "target": 2}))["REPLICAS"] == "1/2 (+1 starting)"
+    assert cells(model(replicas={"running": 2, "starting": 0, "target": 2}))["REPLICAS"] == "2/2"
+    assert cells(model())["REPLICAS"] == "-"

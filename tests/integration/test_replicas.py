@@ -1,0 +1,123 @@
+"""A model on several replicas, on a real cluster: a fixed `num_replicas: 2` shares the load and goes down and up
+whole (stop, sleep, reload); a replica killed under load loses no request; an autoscaled model grows
+under streams and shrinks when idle, and unloads to zero like any other. The tests run in order."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from ray import serve
+
+from rayrunner.deployments.model_server import DEPLOYMENT
+from tests.conftest import Service, model_entry
+
+AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 1,
+               "downscale_delay_s": 5, "look_back_period_s": 12}  # above Serve's 10 s metrics interval
+
+
+@pytest.fixture(scope="module")
+def service(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Service]:
+    config = {"models": [model_entry("duo", tiny_llama_dir, num_replicas=2),
+                         model_entry("elastic", tiny_llama_dir, load=False, autoscaling_config=AUTOSCALING)],
+              "state_path": str(cluster["state_dir"] / "replicas.json")}
+    svc = Service(cluster, config)
+    svc.wait_loaded("duo")
+    yield svc
+    svc.close()
+
+
+def replicas(service: Service, model: str) -> dict[str, int]:
+    return dict(service.card(model)["replicas"])
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s} s"
+        time.sleep(0.5)
+
+
+def replica_infos(app: str) -> list[dict[str, Any]]:
+    """Each live replica's info (one this process's handle still lists after it died answers an error)."""
+    results = serve.get_deployment_handle(DEPLOYMENT, app_name=app).broadcast("info").results(
+        timeout_s=60, return_exceptions=True)
+    return [result for result in results if isinstance(result, dict)]
+
+
+def chats(service: Service, model: str, count: int, **extra: Any) -> list[Any]:
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        return list(pool.map(lambda i: service.chat(f"hello {i}", model=model, max_tokens=24, **extra),
+                             range(count)))
+
+
+def test_two_replicas_share_the_load(service: Service) -> None:
+    wait_for(lambda: replicas(service, "duo")["running"] == 2, "both replicas running")
+    assert replicas(service, "duo") == {"running": 2, "starting": 0, "target": 2}
+    before = sum(info["requests_served"] for info in replica_infos("duo"))
+    assert all(reply.status_code == 200 for reply in chats(service, "duo", 32))
+    served = [info["requests_served"] for info in replica_infos("duo")]
+    assert sum(served) - before == 32 and all(count >= 8 for count in served), served
+
+
+def test_sleep_and_wake_take_every_replica(service: Service) -> None:
+    assert service.http.post("/v1/models/unload", json={"model_id": "duo", "mode": "sleep"}).status_code == 200
+    assert [info["asleep"] for info in replica_infos("duo")] == [True, True]
+    assert service.chat("hi", model="duo", max_tokens=2).status_code == 200  # wakes them
+    assert [info["asleep"] for info in replica_infos("duo")] == [False, False]
+
+
+def test_unload_stops_every_replica_and_reload_brings_them_back(service: Service) -> None:
+    assert service.http.post("/v1/models/unload", json={"model_id": "duo"}).status_code == 200
+    assert replicas(service, "duo")["running"] == 0 and service.card("duo")["status"] == "unloaded"
+    assert service.http.post("/v1/models/reload", json={"model_id": "duo"}).status_code == 200
+    assert replicas(service, "duo")["running"] >= 1  # answered at its first replica
+    wait_for(lambda: replicas(service, "duo")["running"] == 2, "the second replica back")
+
+
+def test_a_replica_killed_under_load_loses_no_unary_request(service: Service) -> None:
+    """Requests the dead replica held had sent nothing back yet: the router sends them again to the survivor."""
+    victim = replica_infos("duo")[0]["pid"]
+    killer = threading.Timer(0.3, os.kill, (victim, signal.SIGKILL))
+    killer.start()
+    replies = chats(service, "duo", 16, ignore_eos=True)
+    killer.join()
+    assert [reply.status_code for reply in replies] == [200] * 16, [r.text for r in replies if r.status_code != 200]
+    assert all(reply.status_code == 200 for reply in chats(service, "duo", 8))  # the survivor answers at once
+    wait_for(lambda: replicas(service, "duo")["running"] == 2, "Serve restoring the count")
+    wait_for(lambda: len(replica_infos("duo")) == 2, "this process's handle seeing the replacement")
+    assert victim not in [info["pid"] for info in replica_infos("duo")]
+
+
+def test_an_autoscaled_model_grows_under_streams_and_shrinks_idle(service: Service) -> None:
+    assert service.chat("hi", model="elastic", max_tokens=2).status_code == 200  # loads it, one replica
+    assert replicas(service, "elastic")["target"] == 1
+    stop = threading.Event()
+
+    def stream() -> None:
+        while not stop.is_set():
+            body = {"model": "elastic", "messages": [{"role": "user", "content": "go"}], "max_tokens": 400,
+                    "ignore_eos": True, "stream": True}
+            with service.http.stream("POST", "/v1/chat/completions", json=body) as response:
+                for _ in response.iter_lines():
+                    pass
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        for _ in range(16):
+            pool.submit(stream)
+        try:
+            wait_for(lambda: replicas(service, "elastic")["running"] == 2, "scaling up to 2", timeout_s=30)
+        finally:
+            stop.set()
+    wait_for(lambda: replicas(service, "elastic")["target"] == 1, "scaling back to 1 when idle", timeout_s=60)
+    assert service.http.post("/v1/models/unload", json={"model_id": "elastic"}).status_code == 200
+    time.sleep(3)  # nothing brings it back on its own: zero is the registry's
+    assert replicas(service, "elastic")["running"] == 0 and service.card("elastic")["status"] == "unloaded"
+    assert service.chat("hi", model="elastic", max_tokens=2).status_code == 200  # loads it again
+    assert replicas(service, "elastic")["target"] == 1
