@@ -5,7 +5,7 @@ only) and two worker nodes whose GPUs are declared (Ray lets a node declare `num
 own tests do; torch finds no CUDA, so the replicas run on CPU) with `accelerator_type:<T>` resources standing in
 for their GPU types. It checks that
 1. each model's replica runs on the node its `num_gpus` / `accelerator_type` / `memory` / `resources` demand, with
-   those options on the replica actor;
+   those options on the replica actor (a replica of two GPUs on the node that has two);
 2. a model asking for an accelerator type no node has fails its load at once with `unplaceable_model`, naming the
    missing resource and the nodes, and its card shows `unloaded` with `last_error`;
 3. after the node holding a model is removed, a request for it waits, and succeeds once a node that fits joins
@@ -51,12 +51,14 @@ A10G: dict[str, Any] = {"num_cpus": 1, "num_gpus": 1, "resources": {"accelerator
 L4: dict[str, Any] = {
     "num_cpus": 1, "num_gpus": 1, "memory": 1024 * MIB, "resources": {"accelerator_type:L4": 1, "nvme": 1}
 }
+DUAL: dict[str, Any] = {"num_cpus": 1, "num_gpus": 2}
 # Engine settings: each model pins itself to one node type through the settings this scenario is about.
 ENGINES: dict[str, dict[str, Any]] = {
     "on-a10g": {"num_gpus": 1, "accelerator_type": "A10G", "num_cpus": 0.5, "torch_threads": 1},
     "on-l4": {"num_gpus": 1, "accelerator_type": "L4", "memory": 256 * MIB, "resources": {"nvme": 1},
               "num_cpus": 0.5, "torch_threads": 1},
     "on-h100": {"num_gpus": 1, "accelerator_type": "H100", "num_cpus": 0.5},
+    "on-dual": {"num_gpus": 2, "num_cpus": 0.5, "torch_threads": 1},
 }
 STEP_TIMEOUT_S = 120.0
 
@@ -95,7 +97,7 @@ def router_config(model_dir: str, state_dir: str) -> dict[str, Any]:
         spec = {"model_id": model_id, "which": {"type": "plain", "model_id": model_dir}, "engine": ENGINES[model_id]}
         return {"spec": spec, "load": load}
 
-    models = [entry("on-a10g", True), entry("on-l4", True), entry("on-h100", False)]
+    models = [entry("on-a10g", True), entry("on-l4", True), entry("on-h100", False), entry("on-dual", True)]
     return {"models": models, "state_path": os.path.join(state_dir, "registry.json"), "load_timeout_s": 300}
 
 
@@ -123,7 +125,7 @@ def chat(http: httpx.Client, model: str) -> httpx.Response:
 
 def check_placement(nodes: dict[str, str]) -> None:
     """Each model's replica on the node its settings demand, carrying those settings as Ray resources."""
-    for model_id, node in (("on-a10g", "a10g"), ("on-l4", "l4")):
+    for model_id, node in (("on-a10g", "a10g"), ("on-l4", "l4"), ("on-dual", "dual")):
         actor = wait_for(f"`{model_id}`'s replica", partial(replica_actor, model_id))
         where = nodes.get(actor["Address"]["NodeID"], actor["Address"]["NodeID"])
         check(where == node, f"`{model_id}` runs on node {where}, expected {node}")
@@ -133,6 +135,9 @@ def check_placement(nodes: dict[str, str]) -> None:
     log(f"node l4 has free: GPU {free.get('GPU', 0)}, nvme {free.get('nvme', 0)}, memory {free['memory'] / MIB} MiB")
     check(free.get("GPU", 0) == 0 and free.get("nvme", 0) == 0 and free["memory"] == L4["memory"] - 256 * MIB,
           "`on-l4`'s replica should reserve node l4's GPU, its nvme and 256 MiB of its memory")
+    dual = next(node_id for node_id, name in nodes.items() if name == "dual")
+    check(ray._private.state.available_resources_per_node()[dual].get("GPU", 0) == 0,
+          "`on-dual`'s replica should reserve both of node dual's GPUs")
 
 
 def check_unplaceable(http: httpx.Client) -> None:
@@ -175,7 +180,7 @@ def run(model_dir: str, state_dir: str) -> None:
     env = {k: os.environ[k] for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED", "HF_HUB_OFFLINE")}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     assert cluster.head_node is not None
-    workers = {"a10g": cluster.add_node(**A10G), "l4": cluster.add_node(**L4)}
+    workers = {"a10g": cluster.add_node(**A10G), "l4": cluster.add_node(**L4), "dual": cluster.add_node(**DUAL)}
     nodes = {cluster.head_node.node_id: "head", **{node.node_id: name for name, node in workers.items()}}
     ray.init(address=cluster.address, runtime_env={"env_vars": env}, logging_level=logging.WARNING, log_to_driver=False)
     try:
@@ -185,11 +190,11 @@ def run(model_dir: str, state_dir: str) -> None:
         started = time.monotonic()
         serve.run(build_router_app(router_config(model_dir, state_dir)), name="rayrunner", route_prefix="/")
         http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=STEP_TIMEOUT_S * 2)
-        for model_id in ("on-a10g", "on-l4"):
+        for model_id in ("on-a10g", "on-l4", "on-dual"):
             wait_for(f"`{model_id}` to load", partial(is_loaded, http, model_id))
             response = chat(http, model_id)
             check(response.status_code == 200, f"chat with `{model_id}`: {response.status_code} {response.text}")
-        log(f"both models loaded and answered in {time.monotonic() - started:.1f} s")
+        log(f"the models loaded and answered in {time.monotonic() - started:.1f} s")
         router = replica_actor("rayrunner")
         log(f"registry on node {nodes.get(actor_node(registry_name(), NAMESPACE))}, router on node "
             f"{router and nodes.get(router['Address']['NodeID'])}; state file {state_dir}")
