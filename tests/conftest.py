@@ -100,9 +100,11 @@ class Service:
         return self.http.get(f"/v1/models/{model}").json()
 
     def wait_loaded(self, model: str, timeout_s: float = 120) -> None:
-        """Until `model` is loaded (a declared `load: true` model loads in the background after the deploy)."""
+        """Until `model` is loaded (a declared `load: true` model loads in the background after the deploy); a failed
+        load fails at once with its error."""
         deadline = time.monotonic() + timeout_s
-        while self.card(model)["status"] != "loaded":
+        while (card := self.card(model))["status"] != "loaded":
+            assert card["status"] != "unloaded" or not card["last_error"], f"{model} failed: {card['last_error']}"
             assert time.monotonic() < deadline, f"{model} never loaded"
             time.sleep(0.2)
 

@@ -169,14 +169,16 @@ def test_sleep_frees_the_engine_and_a_request_wakes_it(service: Service) -> None
 
 def test_unload_stops_the_replica_and_reload_brings_it_back(service: Service) -> None:
     pid = replica_info(service)["pid"]
+    replica = psutil.Process(pid)  # before the unload: its answer may come after the process is gone
     assert service.http.post("/v1/models/unload", json={"model_id": MODEL}).status_code == 200
-    assert psutil.wait_procs([psutil.Process(pid)], timeout=60)[1] == []
+    assert psutil.wait_procs([replica], timeout=60)[1] == []
     assert service.card(MODEL)["status"] == "unloaded"
     assert chat(service, "hi", max_tokens=2)["choices"][0]["finish_reason"] == "length"  # reloads it
     assert service.card(MODEL)["status"] == "loaded" and replica_info(service)["pid"] != pid
 
 
 def test_a_replica_killed_mid_stream_ends_the_stream_and_its_engine(service: Service) -> None:
+    chat(service, "hi", max_tokens=2)  # loaded, whatever the tests before left
     pid = replica_info(service)["pid"]
     engines = engine_processes(pid)
     events: list[str] = []
