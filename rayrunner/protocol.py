@@ -28,7 +28,7 @@ def _new_id(prefix: str) -> str:
 
 
 class _Lenient(BaseModel):
-    """OpenAI bodies: unknown fields (e.g. `user`, `metadata`) are accepted and ignored, like OpenAI does."""
+    """OpenAI bodies: unknown fields (e.g. `metadata`) are accepted and ignored, like OpenAI does."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -146,6 +146,8 @@ class SamplingFields(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     keep_alive: KeepAliveField = None
+    user: str | None = Field(None, description="OpenAI: the end user; a model with `routing: prefix` keeps a user's "
+                             "requests on one replica.")
 
     @field_validator("model", mode="before")
     @classmethod

@@ -6,10 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from ray._common.utils import import_attr
 
 from rayrunner.errors import InvalidSpecError
 from rayrunner.models.footprint import estimate_bytes
+from rayrunner.models.replicas import ROUTER_CLASS
 from rayrunner.models.spec import build_spec
+from rayrunner.router.replica_choice import LoadAwareRouter
 
 SMOL = {"type": "plain", "model_id": "smollm2-135m-instruct"}
 
@@ -21,6 +24,7 @@ SMOL = {"type": "plain", "model_id": "smollm2-135m-instruct"}
     ({"autoscaling_config": {"max_replicas": 2, "initial_replicas": 3}}, "autoscaling_config", "outside"),
     ({"num_replicas": 2, "autoscaling_config": {"max_replicas": 2}}, "autoscaling_config", "not both"),
     ({"autoscaling_config": {"max_replicas": 2, "target_ongoing_request": 1}}, "autoscaling_config", "Extra"),
+    ({"routing": "random"}, "routing", "least_loaded"),
 ])
 def test_bad_replica_settings_are_400s_naming_the_field(engine: dict[str, Any], param: str, words: str) -> None:
     with pytest.raises(InvalidSpecError) as caught:
@@ -28,9 +32,15 @@ def test_bad_replica_settings_are_400s_naming_the_field(engine: dict[str, Any], 
     assert caught.value.param == param and words in str(caught.value)
 
 
-def test_serve_gets_a_count_or_its_autoscaling_config() -> None:
-    assert build_spec("m", SMOL).engine.serve_options() == {"num_replicas": 1}
-    assert build_spec("m", SMOL, engine={"num_replicas": 3}).engine.serve_options() == {"num_replicas": 3}
+def test_serve_gets_a_count_or_its_autoscaling_config_and_rayrunners_request_router() -> None:
+    options = build_spec("m", SMOL).engine.serve_options()
+    assert options["num_replicas"] == 1
+    router = options["request_router_config"]
+    assert router["request_router_class"] == ROUTER_CLASS
+    assert router["request_router_kwargs"] == {"routing": "least_loaded"}
+    assert import_attr(ROUTER_CLASS) is LoadAwareRouter  # the path Serve imports
+    sticky = build_spec("m", SMOL, engine={"num_replicas": 3, "routing": "prefix"}).engine.serve_options()
+    assert sticky["request_router_config"]["request_router_kwargs"]["routing"] == "prefix"
     scaled = build_spec("m", SMOL, engine={"autoscaling_config": {"max_replicas": 4, "target_ongoing_requests": 2,
                                                                   "upscale_delay_s": 1}}).engine
     options = scaled.serve_options()["autoscaling_config"]

@@ -6,6 +6,7 @@ Errors raised here are rayrunner errors, which the router maps to OpenAI error b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -21,7 +22,7 @@ from ray.serve import Application
 from rayrunner.deployments import responses
 from rayrunner.deployments.engine import Engine, GenerationEvent
 from rayrunner.deployments.engine_factory import EngineFactory, build_engine
-from rayrunner.deployments.sampling_params import sampling_params
+from rayrunner.deployments.sampling_params import SamplingParams, sampling_params
 from rayrunner.deployments.vllm_runtime import vllm_runtime_env
 from rayrunner.errors import InvalidRequestError
 from rayrunner.models.load_progress import for_model
@@ -52,6 +53,7 @@ class ModelServer:
         self.slot: EngineSlot = EngineSlot(self._build_engine, self.spec.app_name)
         self.started_at = time.time()
         self.requests_served = 0  # generation requests this replica took (how Serve spreads them over replicas)
+        self.sequences = 0  # sequences of the requests it is serving now, running or waiting for a slot
 
     def _build_engine(self) -> Engine:
         """The engine, built at start (and again by a wake whose parked weights are lost); the load progress it
@@ -62,46 +64,63 @@ class ModelServer:
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         request = ChatCompletionRequest.model_validate(body)
-        async with self.slot.use() as engine:
+        async with self._serving(request) as engine:
             tools = engine.tool_replies(request)
             adapter = await _request_adapter(engine, body)
-            events = self._measured(engine.chat(request, sampling_params(request, self.spec.engine), adapter))
+            events = self._measured(engine.chat(request, self._params(request), adapter))
             return (await responses.chat_response(adapter or self.spec.model_id, events, request, tools)).model_dump()
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
         """The reply's chunks, in batches of those ready together (`ready_batches`): one message each to the router."""
         request = ChatCompletionRequest.model_validate(body)
-        async with self.slot.use() as engine:
+        async with self._serving(request) as engine:
             tools = engine.tool_replies(request)
             adapter = await _request_adapter(engine, body)
-            events = self._measured(engine.chat(request, sampling_params(request, self.spec.engine), adapter))
+            events = self._measured(engine.chat(request, self._params(request), adapter))
             async for batch in ready_batches(responses.chat_chunks(adapter or self.spec.model_id, events, request,
                                                                    tools)):
                 yield [chunk.model_dump(exclude_none=True) for chunk in batch]
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         request = CompletionRequest.model_validate(body)
-        async with self.slot.use() as engine:
+        async with self._serving(request) as engine:
             adapter = await _request_adapter(engine, body)
-            events = self._measured(engine.complete(request, sampling_params(request, self.spec.engine), adapter))
+            events = self._measured(engine.complete(request, self._params(request), adapter))
             return (await responses.completion_response(adapter or self.spec.model_id, events, request)).model_dump()
 
     async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
         request = CompletionRequest.model_validate(body)
-        async with self.slot.use() as engine:
+        async with self._serving(request) as engine:
             adapter = await _request_adapter(engine, body)
-            events = self._measured(engine.complete(request, sampling_params(request, self.spec.engine), adapter))
+            events = self._measured(engine.complete(request, self._params(request), adapter))
             async for batch in ready_batches(responses.completion_chunks(adapter or self.spec.model_id, events,
                                                                          request)):
                 yield [chunk.model_dump(exclude_none=True) for chunk in batch]
 
+    def _params(self, request: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+        return sampling_params(request, self.spec.engine)
+
+    @contextlib.asynccontextmanager
+    async def _serving(self, request: ChatCompletionRequest | CompletionRequest) -> AsyncIterator[Engine]:
+        """The engine for one generation request; its `n` sequences count in this replica's load meanwhile."""
+        self.requests_served += 1
+        self.sequences += request.n or 1
+        try:
+            async with self.slot.use() as engine:
+                yield engine
+        finally:
+            self.sequences -= request.n or 1
+
     async def _measured(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
         """The engine's events, each finished choice's figures recorded (`rayrunner.runtime.metrics.generation`)."""
-        self.requests_served += 1
         async for event in events:
             if event.finish_reason is not None:
                 metrics.generation(self.spec.model_id, event)
             yield event
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """This replica's load for Serve's request router (`rayrunner.router.replica_choice`), every second."""
+        return {"sequences": self.sequences, "at": time.time()}
 
     async def embed(self, body: dict[str, Any]) -> dict[str, Any]:
         request = EmbeddingRequest.model_validate(body)
@@ -127,7 +146,7 @@ class ModelServer:
         """What this replica loaded (nothing while asleep), its sleep state, pid, interpreter and start time."""
         loaded = {} if self.slot.asleep else dataclasses.asdict(self.slot.engine.info())
         return {**loaded, **self.slot.state(), "pid": os.getpid(), "python": sys.executable,
-                "started_at": self.started_at, "requests_served": self.requests_served,
+                "started_at": self.started_at, "requests_served": self.requests_served, "sequences": self.sequences,
                 "process_rss_bytes": _rss_bytes()}
 
     def worker(self) -> dict[str, Any]:

@@ -6,10 +6,12 @@ model's status always says whether it is loaded.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+ROUTER_CLASS = "rayrunner.router.replica_choice.LoadAwareRouter"  # by path: models/ does not import the router
+ROUTING_STATS_PERIOD_S = 1.0
 _ZERO = ("0 is not allowed: a model scales to zero only by unloading (`unload`, keep_alive or eviction), so that "
          "its status stays true")
 
@@ -54,6 +56,11 @@ class Replicas(BaseModel):
         None, description="Serve's autoscaling between `min_replicas` (>= 1) and `max_replicas`."
     )
 
+    routing: Literal["least_loaded", "prefix"] = Field(
+        "least_loaded", description="Which replica takes a request: the one with the fewest sequences, or "
+        "(`prefix`) the one that took the same prompt start or OpenAI `user` before, unless it is much busier."
+    )
+
     @field_validator("num_replicas")
     @classmethod
     def _at_least_one(cls, value: int) -> int:
@@ -69,9 +76,12 @@ class Replicas(BaseModel):
 
     def serve_options(self) -> dict[str, Any]:
         """The deployment options Serve takes for them."""
+        router = {"request_router_class": ROUTER_CLASS, "request_router_kwargs": {"routing": self.routing},
+                  "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S}
         if self.autoscaling_config is None:
-            return {"num_replicas": self.num_replicas}
-        return {"autoscaling_config": self.autoscaling_config.model_dump(exclude_none=True)}
+            return {"num_replicas": self.num_replicas, "request_router_config": router}
+        return {"autoscaling_config": self.autoscaling_config.model_dump(exclude_none=True),
+                "request_router_config": router}
 
     @property
     def max_replicas(self) -> int:

@@ -1,6 +1,7 @@
-"""A model on several replicas, on a real cluster: a fixed `num_replicas: 2` shares the load and goes down and up
-whole (stop, sleep, reload); a replica killed under load loses no request; an autoscaled model grows
-under streams and shrinks when idle, and unloads to zero like any other. The tests run in order."""
+"""A model on several replicas, on a real cluster: a fixed `num_replicas: 2` shares the load, a request goes to the
+replica with fewer sequences, and the model goes down and up whole (stop, sleep, reload); `routing: prefix` keeps a
+user on one replica; a replica killed under load loses no request; an autoscaled model grows under streams and
+shrinks when idle, and unloads to zero like any other. The tests run in order."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 
 @pytest.fixture(scope="module")
 def service(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Service]:
     config = {"models": [model_entry("duo", tiny_llama_dir, num_replicas=2),
-                         model_entry("elastic", tiny_llama_dir, load=False, autoscaling_config=AUTOSCALING)],
+                         model_entry("elastic", tiny_llama_dir, load=False, autoscaling_config=AUTOSCALING),
+                         model_entry("sticky", tiny_llama_dir, load=False, num_replicas=2, routing="prefix")],
               "state_path": str(cluster["state_dir"] / "replicas.json")}
     svc = Service(cluster, config)
     svc.wait_loaded("duo")
@@ -64,6 +66,53 @@ def test_two_replicas_share_the_load(service: Service) -> None:
     assert all(reply.status_code == 200 for reply in chats(service, "duo", 32))
     served = [info["requests_served"] for info in replica_infos("duo")]
     assert sum(served) - before == 32 and all(count >= 8 for count in served), served
+
+
+def first_chunk_then_drain(service: Service, model: str, stop: threading.Event, started: threading.Event,
+                           **extra: Any) -> None:
+    """One long stream: `started` set at its first chunk, closed (the client leaving) once `stop` is set."""
+    body = {"model": model, "messages": [{"role": "user", "content": "go"}], "max_tokens": 1900,
+            "ignore_eos": True, "stream": True, **extra}
+    with service.http.stream("POST", "/v1/chat/completions", json=body) as response:
+        for _ in response.iter_lines():
+            started.set()
+            if stop.is_set():
+                return
+
+
+def test_a_request_goes_to_the_replica_with_fewer_sequences(service: Service) -> None:
+    """One stream of n=4 on one replica: the next three single streams all go to the other (by requests, Serve's
+    default would split them)."""
+    stop = threading.Event()
+    started = [threading.Event() for _ in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        try:
+            pool.submit(first_chunk_then_drain, service, "duo", stop, started[0], n=4)
+            assert started[0].wait(60)
+            for event in started[1:]:
+                pool.submit(first_chunk_then_drain, service, "duo", stop, event)
+            assert all(event.wait(60) for event in started[1:])
+            assert sorted(info["sequences"] for info in replica_infos("duo")) == [3, 4]
+        finally:
+            stop.set()
+    wait_for(lambda: sum(info["sequences"] for info in replica_infos("duo")) == 0, "the streams ending")
+
+
+def served(model: str) -> list[int]:
+    return [info["requests_served"] for info in sorted(replica_infos(model), key=lambda info: info["pid"])]
+
+
+def test_prefix_routing_keeps_a_user_on_one_replica(service: Service) -> None:
+    assert service.chat("hi", model="sticky", max_tokens=2).status_code == 200  # loads it
+    wait_for(lambda: replicas(service, "sticky")["running"] == 2, "both replicas running")
+    start = served("sticky")
+    for i in range(16):  # one user after another, each on its own replica: the users spread over both
+        assert service.chat("hello", model="sticky", max_tokens=2, user=f"user {i}").status_code == 200
+    before = served("sticky")
+    assert all(b > s for b, s in zip(before, start, strict=True)), (start, before)
+    assert all(reply.status_code == 200 for reply in chats(service, "sticky", 8, user="alice"))
+    assert sorted(a - b for a, b in zip(served("sticky"), before, strict=True)) == [0, 8]
+    assert service.http.post("/v1/models/unload", json={"model_id": "sticky"}).status_code == 200
 
 
 def test_sleep_and_wake_take_every_replica(service: Service) -> None:
