@@ -87,6 +87,7 @@ class Service:
         # Two spare workers: tests load models back to back, faster than one spare is replaced (~10 s of imports).
         self.config = {"sources": {"local_roots": ["/"], "hub_orgs": ["*"]}, "warm_spares": 2, **config}
         serve.run(build_router_app(self.config), name="rayrunner", route_prefix="/")
+        self.cluster = cluster
         self.url = cluster["http"]
         self.http = httpx.Client(base_url=self.url, timeout=600)
         self.handle = serve.get_app_handle("rayrunner")

@@ -54,7 +54,7 @@ class FakeModelApps:
         return {name: {"running": int(app.running), "starting": 0, "target": int(app.running)}
                 for name, app in self.apps.items()}
 
-    async def deploy(self, spec: ModelSpec) -> None:
+    async def deploy(self, spec: ModelSpec, version: str | None = None) -> None:
         self.calls.append(("deploy", spec.app_name))
         self.apps[spec.app_name] = app = FakeApp(spec)
         asyncio.get_running_loop().create_task(self._start(app))

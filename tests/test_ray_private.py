@@ -38,3 +38,11 @@ def test_the_raylet_prestart_request_still_has_the_fields_used() -> None:
     fields = set(node_manager_pb2.PrestartWorkersRequest.DESCRIPTOR.fields_by_name)
     assert {"language", "job_id", "runtime_env_info", "keep_alive_duration_secs", "num_workers"} <= fields
     assert hasattr(node_manager_pb2_grpc.NodeManagerServiceStub, "__init__")
+
+
+def test_a_deployment_still_takes_its_code_version_internally() -> None:
+    """`model_deployment` deploys a rescale as the running version: `options(version=..., _internal=True)`."""
+    from ray import serve
+
+    deployment = serve.deployment(name="d")(lambda: None).options(version="v1", _internal=True)
+    assert deployment.version == "v1"

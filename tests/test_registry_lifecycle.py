@@ -218,3 +218,20 @@ async def test_with_only_pinned_models_in_the_way_a_load_waits_then_fails_with_n
     assert raised.value.status == 503 and raised.value.code == "capacity_exhausted" and raised.value.retry_after_s
     assert await reg.status("b") == "unloaded" and await reg.status("a") == "loaded"
     assert apps.deploys(app(reg, "b")) == 0
+
+
+async def test_a_config_that_changes_only_the_replica_count_rescales_in_place(tmp_path: Path) -> None:
+    apps = FakeModelApps()
+    models = [entry("m1", load=True)]
+    reg = await registry(tmp_path, apps, models)
+    await reg.ensure_loaded("m1")
+    models[0]["spec"]["engine"] = {"num_replicas": 2, "routing": "prefix"}
+    await reg.bootstrap({"models": models})
+    assert await reg.status("m1") == "loaded"  # never reloading: requests keep flowing
+    await asyncio.sleep(0.1)  # the rescale runs in the background
+    assert apps.deploys(app(reg, "m1")) == 2 and ("delete", app(reg, "m1")) not in apps.calls
+    assert reg.state.models["m1"].spec.engine.num_replicas == 2
+    models[0]["spec"]["engine"] = {"num_replicas": 2, "max_num_seqs": 8}  # a setting replicas are built with
+    await reg.bootstrap({"models": models})
+    await reg.ensure_loaded("m1")
+    assert ("delete", app(reg, "m1")) in apps.calls  # replaced: the old replicas go first

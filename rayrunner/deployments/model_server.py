@@ -190,22 +190,23 @@ def _set_torch_threads(settings: EngineSettings) -> None:
     torch.set_num_threads(threads)
 
 
-def model_deployment(spec: ModelSpec) -> Application:
+def model_deployment(spec: ModelSpec, version: str | None = None) -> Application:
     """The Serve application of one model: its `ModelServer` deployment, with the replicas and placement of the
-    spec's settings."""
+    spec's settings. A deploy with the `version` of the running one changes only what Serve changes in place (the
+    replica count, routing): no replica restarts. None: a new version (Serve's default), every replica new."""
     settings = spec.engine
-    return (
-        serve.deployment(
-            name=DEPLOYMENT,
-            **settings.serve_options(),
-            max_ongoing_requests=settings.replica_max_ongoing_requests(),
-            graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
-            graceful_shutdown_wait_loop_s=0.5,
-            max_constructor_retry_count=1,  # a broken model does not heal by retrying; fail fast instead
-            ray_actor_options={**settings.ray_actor_options(), "runtime_env": _runtime_env(settings)},
-        )(ModelServer)
-        .bind(spec.model_dump(mode="json"))
-    )
+    deployment = serve.deployment(
+        name=DEPLOYMENT,
+        **settings.serve_options(),
+        max_ongoing_requests=settings.replica_max_ongoing_requests(),
+        graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=0.5,
+        max_constructor_retry_count=1,  # a broken model does not heal by retrying; fail fast instead
+        ray_actor_options={**settings.ray_actor_options(), "runtime_env": _runtime_env(settings)},
+    )(ModelServer)
+    if version is not None:  # Serve's own code-version field, which its public API no longer lets callers set
+        deployment = deployment.options(version=version, _internal=True)
+    return deployment.bind(spec.replica_args())
 
 
 def _runtime_env(settings: EngineSettings) -> dict[str, Any]:

@@ -188,6 +188,12 @@ class ModelSpec(BaseModel):
     def kind(self) -> str:
         return self.which.kind
 
+    def replica_args(self) -> dict[str, Any]:
+        """What each replica is constructed with: the spec less how many replicas run and how requests pick one, so
+        a change of those alone is one Serve scales in place (same deployment version), restarting no replica."""
+        engine = self.engine.model_dump(mode="json", exclude=set(Replicas.model_fields))
+        return {**self.model_dump(mode="json"), "engine": engine}
+
     @property
     def app_name(self) -> str:
         """Serve application name: readable, unique per id, and safe in URLs."""

@@ -91,7 +91,7 @@ class Registry(CapacityMixin):
         await self._ensure_reconciled()  # starts the idle timer; the reconcile below settles every model
         # a LoRA model served by its host's replica loads by loading that host
         to_load = {self.state.serving(mid).spec.model_id for mid in changes.added if declared[mid].load}
-        await self._reconcile(to_load, set(changes.respecified))
+        await self._reconcile(to_load, set(changes.respecified) - set(changes.rescaled), set(changes.rescaled))
         return changes.log
 
     async def _ensure_reconciled(self) -> None:
@@ -102,9 +102,10 @@ class Registry(CapacityMixin):
         if not self._reconciled:
             await self._reconcile(set(), set())
 
-    async def _reconcile(self, to_load: set[str], respecified: set[str]) -> None:
+    async def _reconcile(self, to_load: set[str], respecified: set[str], rescaled: set[str] | None = None) -> None:
         """Make each status match Serve: adopt running apps, wait for starting ones, load new `load: true` ones,
-        and redeploy a running model whose spec the config changed unless the config itself deployed it so.
+        redeploy a running model whose spec the config changed unless the config itself deployed it so, and
+        rescale in place one whose replica count or routing alone changed.
 
         Models known from an earlier run keep the status they had: an unloaded model stays unloaded across router
         redeploys, and a loaded one whose app is gone (the whole service was stopped) loads again."""
@@ -118,7 +119,10 @@ class Registry(CapacityMixin):
             state = await self.apps.state(record.spec.app_name)
             running = state.running >= 1 and state.deployment_status == "HEALTHY"
             starting = state.exists and state.deployment_status not in ("HEALTHY", "DEPLOY_FAILED", "UNHEALTHY")
-            if (running or starting) and model_id in respecified and not await self._runs_spec(record.spec):
+            if running and model_id in (rescaled or set()):
+                record.status = "loaded"
+                self._spawn(self._rescale(record))
+            elif (running or starting) and model_id in respecified and not await self._runs_spec(record.spec):
                 logger.info("config: redeploying `%s`, which runs the spec the config replaced", model_id)
                 self._start_load(record, mode="replace")
             elif running and await self.apps.replica_asleep(record.spec.app_name):  # running is known: ask the replica
@@ -387,8 +391,20 @@ class Registry(CapacityMixin):
             await self.apps.wait_loaded(app, self.config.load_timeout_s)
             return await self.apps.info(app), None
         deployed_at = time.time()
-        await self._bring_up(record.spec)
+        record.deployed_version = uuid.uuid4().hex
+        await self._bring_up(record.spec, record.deployed_version)
         return await self.apps.new_replica_info(app, deployed_at, self.config.load_timeout_s), deployed_at
+
+    async def _rescale(self, record: ModelRecord) -> None:
+        """Deploy a running model's new replica count or routing as the version that runs, with the same replica
+        arguments (`ModelSpec.replica_args`): Serve adds or drains replicas and restarts none (the version is saved
+        with the model; without one, Serve replaces the replicas one by one). It stays `loaded`."""
+        async with self._lock(record.spec.model_id):
+            if record.status != "loaded":
+                return  # unloaded meanwhile: the next load deploys the new count
+            logger.info("config: rescaling `%s` in place to %s", record.spec.model_id,
+                        record.spec.engine.serve_options())
+            await self._bring_up(record.spec, record.deployed_version)
 
     async def _room_or_unloaded(self, record: ModelRecord) -> None:
         """Make room for the load; when there is none (too large, or no room in time) the model goes back to
@@ -434,10 +450,10 @@ class Registry(CapacityMixin):
         record.info = {}
         self._persist()
 
-    async def _bring_up(self, spec: ModelSpec) -> None:
-        # Always a fresh deploy from the saved spec (not a scale-up): Serve reports a broken constructor of a new
+    async def _bring_up(self, spec: ModelSpec, version: str | None) -> None:
+        # A load is a fresh deploy (a new version), not a scale-up: Serve reports a broken constructor of a new
         # deployment version as DEPLOY_FAILED at once, while a failing scale-up of an old one retries forever.
-        await asyncio.wait_for(self.apps.deploy(spec), self.config.load_timeout_s)
+        await asyncio.wait_for(self.apps.deploy(spec, version), self.config.load_timeout_s)
 
     async def _fail_load(self, record: ModelRecord, exc: BaseException) -> None:
         """Never leave a model stuck: back to `unloaded`, the cause in `last_error`, no half-started app."""

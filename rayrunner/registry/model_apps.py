@@ -97,7 +97,7 @@ class ModelApps(Protocol):
     async def state(self, app: str) -> AppState: ...
     async def deployed_args(self, app: str) -> dict[str, Any] | None: ...
     async def replica_counts(self) -> dict[str, dict[str, int]]: ...
-    async def deploy(self, spec: ModelSpec) -> None: ...
+    async def deploy(self, spec: ModelSpec, version: str | None = None) -> None: ...
     async def wait_loaded(self, app: str, timeout_s: float) -> None: ...
     async def new_replica_info(self, app: str, deployed_at: float, timeout_s: float) -> dict[str, Any]: ...
     async def scale_to_zero(self, app: str, timeout_s: float) -> None: ...
@@ -145,16 +145,17 @@ class ServeModelApps:
                            "target": int(deployment.get("target_num_replicas") or 0)}
         return counts
 
-    async def deploy(self, spec: ModelSpec) -> None:
-        """Submit the model's app (one replica) to Serve; `wait_loaded` then follows it to RUNNING or to its
-        failure. A replica that no node of the cluster could ever hold is refused first (`UnplaceableModelError`).
+    async def deploy(self, spec: ModelSpec, version: str | None = None) -> None:
+        """Submit the model's app to Serve (as `version`, see `model_deployment`); `wait_loaded` then follows it to
+        RUNNING or to its failure. A replica that no node of the cluster could ever hold is refused first
+        (`UnplaceableModelError`).
 
         Not `serve.run`: it polls the app once a second, which rounded every reload up to the next whole second."""
 
         def submit() -> None:
             check_placeable(spec)  # a replica no node can hold would stay PENDING until the load times out
             with _SERVE_CONFIG_LOCK:
-                target = serve.RunTarget(model_deployment(spec), name=spec.app_name, route_prefix=None,
+                target = serve.RunTarget(model_deployment(spec, version), name=spec.app_name, route_prefix=None,
                                          external_scaler_enabled=True)
                 serve.run_many([target], wait_for_applications_running=False)
 

@@ -51,10 +51,12 @@ def spec_differences(old: ModelSpec, new: ModelSpec) -> list[str]:
 
 @dataclass
 class ConfigChanges:
-    """What `RegistryState.apply_config` did: ids it registered, ids whose spec it replaced, and a log line each."""
+    """What `RegistryState.apply_config` did: ids it registered, ids whose spec it replaced (and of those, which
+    changed only their replicas), and a log line each."""
 
     added: list[str] = field(default_factory=list)
     respecified: list[str] = field(default_factory=list)
+    rescaled: list[str] = field(default_factory=list)  # respecified in replica count or routing only
     log: list[str] = field(default_factory=list)
 
 
@@ -93,6 +95,8 @@ class ModelRecord(BaseModel):
     unload_mode: UnloadMode | None = Field(None, description="`stop`: no replica; `sleep`: the replica process "
                                            "stays with its weights freed, and wakes in a fraction of a load.")
     estimated_bytes: int | None = Field(None, description="Weights and KV reserve (under max_loaded_bytes only).")
+    deployed_version: str | None = Field(None, description="The Serve version of the load now running; a new "
+                                         "replica count is deployed as it, so Serve rescales in place.")
 
     def configure(self, entry: ModelEntry) -> None:
         """Take the entry's pinned and keep_alive where it sets them."""
@@ -275,8 +279,11 @@ class RegistryState(BaseModel):
             self.models[model_id].configure_declared(entry)
             differences = spec_differences(self.models[model_id].spec, entry.spec)
             if differences:
+                old = self.models[model_id].spec
                 self.models[model_id].spec = entry.spec
                 changes.respecified.append(model_id)
+                if old.replica_args() == entry.spec.replica_args():
+                    changes.rescaled.append(model_id)
                 changes.log.append(f"model `{model_id}`: spec changed by the config ({'; '.join(differences)})")
             for alias in entry.aliases:
                 try:

@@ -144,6 +144,26 @@ def test_a_replica_killed_under_load_loses_no_unary_request(service: Service) ->
     assert victim not in [info["pid"] for info in replica_infos("duo")]
 
 
+def test_a_new_replica_count_in_the_config_rescales_in_place(service: Service) -> None:
+    """The config redeployed with `duo` on one replica: Serve drains one of the two, restarts none, and a stream
+    running meanwhile ends whole."""
+    wait_for(lambda: len(replica_infos("duo")) == 2, "both replicas serving")
+    pids = {info["pid"] for info in replica_infos("duo")}
+    body = {"model": "duo", "messages": [{"role": "user", "content": "go"}], "max_tokens": 600, "ignore_eos": True,
+            "stream": True}
+    with service.http.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        entries = [dict(entry, spec={**entry["spec"], "engine": {**entry["spec"]["engine"], "num_replicas": 1}})
+                   if entry["spec"]["model_id"] == "duo" else entry for entry in service.config["models"]]
+        Service(service.cluster, {**service.config, "models": entries})  # `serve run` again with the new count
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and not any('"error"' in event for event in events)
+    assert service.card("duo")["status"] == "loaded"
+    wait_for(lambda: replicas(service, "duo") == {"running": 1, "starting": 0, "target": 1}, "one replica left")
+    assert {info["pid"] for info in replica_infos("duo")} < pids  # the survivor was not restarted
+
+
 def test_an_autoscaled_model_grows_under_streams_and_shrinks_idle(service: Service) -> None:
     assert service.chat("hi", model="elastic", max_tokens=2).status_code == 200  # loads it, one replica
     assert replicas(service, "elastic")["target"] == 1
