@@ -18,6 +18,7 @@ import psutil
 import ray
 from ray import serve
 from ray.serve import Application
+from ray.serve.exceptions import RayServeException
 
 from rayrunner.deployments import responses
 from rayrunner.deployments.engine import Engine, GenerationEvent
@@ -54,6 +55,7 @@ class ModelServer:
         self.started_at = time.time()
         self.requests_served = 0  # generation requests this replica took (how Serve spreads them over replicas)
         self.sequences = 0  # sequences of the requests it is serving now, running or waiting for a slot
+        self.replica_id = _replica_id()
 
     def _build_engine(self) -> Engine:
         """The engine, built at start (and again by a wake whose parked weights are lost); the load progress it
@@ -119,7 +121,9 @@ class ModelServer:
             yield event
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """This replica's load for Serve's request router (`rayrunner.router.replica_choice`), every second."""
+        """This replica's load for Serve's request router (`rayrunner.router.replica_choice`), every second; also
+        its `rayrunner_replica_sequences` gauge."""
+        metrics.replica_sequences(self.spec.model_id, self.replica_id, self.sequences)
         return {"sequences": self.sequences, "at": time.time()}
 
     async def embed(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -173,6 +177,14 @@ async def _request_adapter(engine: Engine, body: dict[str, Any]) -> str | None:
         raise InvalidRequestError("`adapter` and `adapter_source` must be strings", param="adapter")
     await engine.use_adapter(name, source)
     return name
+
+
+def _replica_id() -> str:
+    """This Serve replica's id (`-` for a server built outside Serve, as unit tests do)."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:
+        return "-"
 
 
 def _rss_bytes() -> int | None:

@@ -9,7 +9,7 @@ Every gauge set here is held and set again by a daemon thread each half interval
 
 Who records what: the registry (status, loads, unloads by reason, load seconds, weight bytes), each router replica
 (requests by route and HTTP status), each model replica (time to first token, inter-token latency, tokens in and out,
-running and queued sequences).
+running and queued sequences, and its own sequences by `replica`).
 """
 
 from __future__ import annotations
@@ -148,6 +148,12 @@ def generation(model: str, event: Any) -> None:
                                      ("rayrunner_completion_tokens", "Tokens generated.", event.completion_tokens)):
         if count > 0:  # Ray's counters refuse 0 (`echo` with max_tokens 0 generates none)
             _counter(name, description).inc(count, tags=tags)
+
+
+def replica_sequences(model: str, replica: str, sequences: int) -> None:
+    """The sequences one replica serves, running or waiting (what the request router balances), every second."""
+    _held.set(_gauge("rayrunner_replica_sequences", "Sequences a model replica serves, running or waiting.", "replica"),
+              float(sequences), {"model": model, "replica": replica})
 
 
 def sequences(model: str, running: int, queued: int) -> None:

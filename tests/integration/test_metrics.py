@@ -27,6 +27,8 @@ EXPECTED = [
     'ray_rayrunner_completion_tokens_total{.*model="tiny".*}',
     'ray_rayrunner_running_sequences{.*model="tiny".*}',
     'ray_rayrunner_queued_requests{.*model="tiny".*}',
+    'ray_rayrunner_replica_sequences{.*model="tiny".*replica="[a-z0-9]+".*}',
+    'ray_rayrunner_model_replicas{.*model="tiny".*state="target".*} 1',
 ]
 
 
