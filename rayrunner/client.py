@@ -168,6 +168,12 @@ class Runner:
     def unpin_model(self, model_id: str) -> None:
         self._call("unpin_model", self._name(model_id))
 
+    def scale_model(self, model_id: str, num_replicas: int | None = None,
+                    autoscaling_config: dict[str, Any] | None = None, routing: str | None = None) -> None:
+        """New replica settings, saved; a loaded model rescales in place (no replica restarts, no request lost)."""
+        changes = {"num_replicas": num_replicas, "autoscaling_config": autoscaling_config, "routing": routing}
+        self._call("scale_model", self._name(model_id), {k: v for k, v in changes.items() if v is not None})
+
     def add_alias(self, model_id: str, alias: str) -> None:
         self._call("add_alias", self._name(model_id), alias)
 

@@ -492,6 +492,16 @@ class UnloadBody(ModelIdBody):
                                            "keep the replica process, free its weights (a faster wake).")
 
 
+class ScaleBody(ModelIdBody):
+    num_replicas: int | None = Field(None, description="Replicas while loaded (replaces an autoscaling_config).")
+    autoscaling_config: dict[str, Any] | None = Field(None, description="Serve's autoscaling (replaces "
+                                                      "num_replicas).")
+    routing: str | None = Field(None, description="`least_loaded` or `prefix`.")
+
+    def changes(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"model_id"}, exclude_none=True)
+
+
 class AliasBody(ModelIdBody):
     alias: str = Field(min_length=1)
 

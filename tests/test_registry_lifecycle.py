@@ -235,3 +235,16 @@ async def test_a_config_that_changes_only_the_replica_count_rescales_in_place(tm
     await reg.bootstrap({"models": models})
     await reg.ensure_loaded("m1")
     assert ("delete", app(reg, "m1")) in apps.calls  # replaced: the old replicas go first
+
+
+async def test_the_scale_call_saves_new_replica_settings_and_rescales_a_loaded_model(tmp_path: Path) -> None:
+    apps = FakeModelApps()
+    reg = await registry(tmp_path, apps, [entry("on", load=True), entry("off")])
+    await reg.ensure_loaded("on")
+    card = await reg.scale("on", {"num_replicas": 3})
+    assert card["status"] == "loaded" and card["spec"]["engine"]["num_replicas"] == 3
+    assert apps.deploys(app(reg, "on")) == 2 and ("delete", app(reg, "on")) not in apps.calls
+    await reg.scale("off", {"autoscaling_config": {"max_replicas": 2}})
+    assert apps.deploys(app(reg, "off")) == 0  # saved for its next load
+    saved = json.loads((tmp_path / "registry.json").read_text())
+    assert saved["models"]["off"]["spec"]["engine"]["autoscaling_config"]["max_replicas"] == 2

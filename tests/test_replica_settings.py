@@ -61,3 +61,17 @@ def test_a_replica_takes_a_fraction_of_one_gpu_or_whole_gpus() -> None:
     with pytest.raises(InvalidSpecError) as caught:
         build_spec("m", SMOL, engine={"num_gpus": 1.5})
     assert caught.value.param == "num_gpus" and "whole number" in str(caught.value)
+
+
+def test_rescaling_a_spec_changes_only_replica_settings() -> None:
+    spec = build_spec("m", SMOL, engine={"autoscaling_config": {"max_replicas": 3}, "max_num_seqs": 4})
+    fixed = spec.rescaled({"num_replicas": 2})
+    assert fixed.engine.num_replicas == 2 and fixed.engine.autoscaling_config is None
+    assert fixed.engine.max_num_seqs == 4 and fixed.replica_args() == spec.replica_args()
+    sticky = fixed.rescaled({"routing": "prefix"})
+    assert sticky.engine.routing == "prefix" and sticky.engine.num_replicas == 2  # the count stays
+    for changes, param in (({"num_replicas": 0}, "num_replicas"), ({"max_num_seqs": 8}, "max_num_seqs"),
+                           ({"autoscaling_config": {"min_replicas": 0}}, "autoscaling_config")):
+        with pytest.raises(InvalidSpecError) as caught:
+            spec.rescaled(changes)
+        assert caught.value.param == param

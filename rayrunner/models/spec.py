@@ -194,6 +194,19 @@ class ModelSpec(BaseModel):
         engine = self.engine.model_dump(mode="json", exclude=set(Replicas.model_fields))
         return {**self.model_dump(mode="json"), "engine": engine}
 
+    def rescaled(self, changes: dict[str, Any]) -> ModelSpec:
+        """This spec with new replica settings (`num_replicas` or `autoscaling_config`, `routing`): one way of
+        counting replicas replaces the other; anything else, or an invalid value, is an `InvalidSpecError`."""
+        unknown = set(changes) - set(Replicas.model_fields)
+        if unknown:
+            raise InvalidSpecError(f"only replica settings change here, not {sorted(unknown)}", param=min(unknown))
+        current = self.engine.model_dump(mode="json")
+        if changes.keys() & {"num_replicas", "autoscaling_config"}:
+            current.pop("num_replicas")
+            current.pop("autoscaling_config")
+        return build_spec(self.model_id, self.which.model_dump(mode="json"), self.in_situ_quant,
+                          {**current, **changes})
+
     @property
     def app_name(self) -> str:
         """Serve application name: readable, unique per id, and safe in URLs."""

@@ -307,6 +307,16 @@ class Registry(CapacityMixin):
             self._persist()
         return self._card(model_id)
 
+    async def scale(self, name: str, changes: dict[str, Any]) -> dict[str, Any]:
+        """New replica settings for a model (`ModelSpec.rescaled`): saved, and a loaded model rescales in place."""
+        await self._ensure_reconciled()
+        record = self.state.models[self._changeable(name)]
+        record.spec = record.spec.rescaled(changes)
+        self._persist()
+        if record.status == "loaded":
+            await self._rescale(record)
+        return self._card(record.spec.model_id)
+
     async def add_alias(self, model_id: str, alias: str) -> dict[str, Any]:
         await self._ensure_reconciled()
         resolved = self._changeable(model_id)

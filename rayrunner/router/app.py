@@ -28,6 +28,7 @@ from rayrunner.protocol import (
     EmbeddingRequest,
     ErrorResponse,
     ModelIdBody,
+    ScaleBody,
     UnloadBody,
 )
 from rayrunner.registry.config import RegistryConfig
@@ -249,6 +250,10 @@ class Router:
     async def http_pin(self, body: ModelIdBody) -> dict[str, Any]:
         return cards.model_object(await self.pin_model(body.model_id))
 
+    @api.post("/v1/models/scale")
+    async def http_scale(self, body: ScaleBody) -> dict[str, Any]:
+        return cards.model_object(await self.scale_model(body.model_id, body.changes()))
+
     @api.post("/v1/models/unpin")
     async def http_unpin(self, body: ModelIdBody) -> dict[str, Any]:
         return cards.model_object(await self.unpin_model(body.model_id))
@@ -364,6 +369,11 @@ class Router:
 
     async def unpin_model(self, model: str) -> dict[str, Any]:
         return await self._admin("set_pinned", model, False)
+
+    async def scale_model(self, model: str, changes: dict[str, Any]) -> dict[str, Any]:
+        """New replica settings (`num_replicas` or `autoscaling_config`, `routing`); a loaded model rescales in
+        place, restarting no replica."""
+        return await self._admin("scale", model, changes)
 
     async def _admin(self, operation: RegistryCall, *args: Any) -> Any:
         try:

@@ -37,7 +37,7 @@ _GENERATES = {"text", "multimodal"}
 ModelCall = Literal["chat", "complete", "embed"]
 ModelStream = Literal["chat_stream", "complete_stream"]
 RegistryCall = Literal["cards", "card", "status", "default_id", "unload", "reload", "add", "remove", "set_default",
-                       "add_alias", "set_pinned"]
+                       "add_alias", "set_pinned", "scale"]
 _MUTATIONS: frozenset[RegistryCall] = frozenset({"unload", "reload", "add", "remove", "set_default", "add_alias"})
 
 

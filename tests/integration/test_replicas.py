@@ -164,6 +164,19 @@ def test_a_new_replica_count_in_the_config_rescales_in_place(service: Service) -
     assert {info["pid"] for info in replica_infos("duo")} < pids  # the survivor was not restarted
 
 
+def test_the_scale_call_rescales_in_place_and_refuses_bad_settings(service: Service) -> None:
+    survivor = {info["pid"] for info in replica_infos("duo")}
+    answer = service.http.post("/v1/models/scale", json={"model_id": "duo", "num_replicas": 2})
+    assert answer.status_code == 200 and answer.json()["status"] == "loaded", answer.text
+    wait_for(lambda: len(replica_infos("duo")) == 2, "the second replica")
+    assert survivor < {info["pid"] for info in replica_infos("duo")}  # added beside it, nothing restarted
+    for body, param in (({"num_replicas": 0}, "num_replicas"), ({"routing": "random"}, "routing")):
+        refused = service.http.post("/v1/models/scale", json={"model_id": "duo", **body})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    assert service.http.post("/v1/models/scale", json={"model_id": "nope", "num_replicas": 2}).status_code == 404
+    assert service.card("duo")["spec"]["engine"]["num_replicas"] == 2
+
+
 def test_an_autoscaled_model_grows_under_streams_and_shrinks_idle(service: Service) -> None:
     assert service.chat("hi", model="elastic", max_tokens=2).status_code == 200  # loads it, one replica
     assert replicas(service, "elastic")["target"] == 1
