@@ -47,6 +47,13 @@ def test_attach_with_another_spec_names_each_difference() -> None:
     assert raised.value.code == "model_exists" and raised.value.status == 409
 
 
+def test_attach_ignores_replica_settings_and_keeps_the_registered_ones() -> None:
+    state = RegistryState()
+    state.add(entry("m", engine={"num_replicas": 3, "routing": "prefix"}).spec, [])
+    record = state.attach(entry("m").spec, [])
+    assert record.spec.engine.num_replicas == 3 and record.spec.engine.routing == "prefix"
+
+
 def test_add_alias_to_the_same_model_is_a_no_op() -> None:
     state = RegistryState()
     state.add(entry("m").spec, ["a"])

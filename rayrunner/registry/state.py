@@ -230,9 +230,11 @@ class RegistryState(BaseModel):
         return record
 
     def attach(self, spec: ModelSpec, aliases: list[str]) -> ModelRecord:
-        """An add of a registered model with the same spec: adds the aliases it lacks, changes nothing else."""
+        """An add of a registered model with the same spec: adds the aliases it lacks, changes nothing else. Replica
+        settings do not count: the registered ones stay (an operator's `scale` outlives a script's `Runner(...)`)."""
         record = self.models[spec.model_id]
-        differences = spec_differences(record.spec, spec)
+        differences = spec_differences(ModelSpec.model_validate(record.spec.replica_args()),
+                                       ModelSpec.model_validate(spec.replica_args()))
         if differences:
             raise SpecMismatchError(spec.model_id, "; ".join(differences))
         for alias in aliases:

@@ -87,6 +87,13 @@ def test_multi_model_example_step_by_step(runner: Runner, tiny_llama_dir: str, t
     runner.unpin_model("text-b")
     assert not runner.model_card("text-b")["pinned"]
 
+    # Replica settings, saved (text-a is unloaded: they apply at its next load).
+    runner.unload_model("text-a")
+    runner.scale_model("text-a", routing="prefix")
+    assert runner.model_card("text-a")["spec"]["engine"]["routing"] == "prefix"
+    with pytest.raises(ValueError, match="num_replicas"):
+        runner.scale_model("text-a", num_replicas=0)
+
 
 def test_a_second_runner_for_the_same_model_attaches_to_it(runner: Runner, tiny_llama_dir: str) -> None:
     """As mistral.rs's example does: a new `Runner(which=...)` per function, in one process, none shut down."""
