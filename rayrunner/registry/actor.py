@@ -315,7 +315,7 @@ class Registry(CapacityMixin):
         self._persist()
         if record.status == "loaded":
             await self._rescale(record)
-        return self._card(record.spec.model_id)
+        return self._card(record.spec.model_id, await self._replica_counts())  # the target moved already
 
     async def add_alias(self, model_id: str, alias: str) -> dict[str, Any]:
         await self._ensure_reconciled()
