@@ -496,7 +496,7 @@ class ScaleBody(ModelIdBody):
     num_replicas: int | None = Field(None, description="Replicas while loaded (replaces an autoscaling_config).")
     autoscaling_config: dict[str, Any] | None = Field(None, description="Serve's autoscaling (replaces "
                                                       "num_replicas).")
-    routing: str | None = Field(None, description="`least_loaded` or `prefix`.")
+    routing: Literal["least_loaded", "prefix"] | None = Field(None, description="Which replica takes a request.")
 
     def changes(self) -> dict[str, Any]:
         return self.model_dump(exclude={"model_id"}, exclude_none=True)

@@ -74,7 +74,8 @@ def test_default_values_of_those_fields_are_accepted() -> None:
 
 def test_fields_that_do_not_change_the_output_are_ignored() -> None:
     body = chat(user="u-1", metadata={"k": "v"}, store=False, service_tier="auto", some_future_field=[1])
-    assert not {"user", "metadata", "store", "service_tier", "some_future_field"} & set(body)
+    assert not {"metadata", "store", "service_tier", "some_future_field"} & set(body)
+    assert body["user"] == "u-1"  # kept: `routing: prefix` keeps a user on one replica
 
 
 def test_sampling_fields_are_declared_and_checked() -> None:

@@ -144,6 +144,7 @@ def test_openapi_declares_every_request_body(service: Service) -> None:
         "/v1/models/aliases": "AliasBody",
         **{f"/v1/models/{op}": "ModelIdBody" for op in ("status", "reload", "remove", "default", "pin", "unpin")},
         "/v1/models/unload": "UnloadBody",
+        "/v1/models/scale": "ScaleBody",
     }
     posts = {path: ops["post"] for path, ops in spec["paths"].items() if "post" in ops}
     assert set(posts) == set(expected)
