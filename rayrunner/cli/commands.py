@@ -213,6 +213,20 @@ def pin(ctx: typer.Context, model: ModelArg) -> None:
 
 
 @command()
+def scale(ctx: typer.Context, model: ModelArg,
+          replicas: Annotated[int | None, _value("N", "Replicas while loaded.")] = None,
+          routing: Annotated[str | None, _value("POLICY", "least_loaded or prefix.")] = None) -> None:
+    """New replica settings for a model; a loaded one rescales in place (no replica restarts)."""
+    changes = {"num_replicas": replicas, "routing": routing}
+    body = {"model_id": model, **{key: value for key, value in changes.items() if value is not None}}
+    card = _api(ctx).post("/v1/models/scale", body)
+    engine = card["spec"]["engine"]
+    scaling = engine["autoscaling_config"]
+    count = f"{scaling['min_replicas']}-{scaling['max_replicas']}" if scaling else str(engine["num_replicas"])
+    typer.echo(f"{card['id']}: {count} replicas, routing {engine['routing']}")
+
+
+@command()
 def unpin(ctx: typer.Context, model: ModelArg) -> None:
     """Let a pinned model be evicted to make room again."""
     card = _api(ctx).post("/v1/models/unpin", {"model_id": model})
@@ -233,10 +247,12 @@ def add(
     pinned: Annotated[bool, typer.Option("--pinned", help="Never evicted to make room for other models.")] = False,
     keep_alive: Annotated[str | None, _value("DURATION", 'Unload after this idle time ("5m", "30s", seconds, '
                                              "-1: never).")] = None,
+    replicas: Annotated[int, _value("N", "Replicas while loaded.")] = 1,
 ) -> None:
     """Register a model (and load it, unless --no-load)."""
     body = {"model_id": model_id, "which": _which(model_type, source, adapter), "in_situ_quant": isq,
-            "aliases": aliases or [], "load": load, "pinned": pinned, "keep_alive": keep_alive}
+            "aliases": aliases or [], "load": load, "pinned": pinned, "keep_alive": keep_alive,
+            "engine": {"num_replicas": replicas}}
     card = _api(ctx).post("/v1/models/add", body)
     typer.echo(f"{card['id']}: {card['status']}")
 

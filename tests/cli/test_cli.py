@@ -151,9 +151,10 @@ def test_chat_sends_the_whole_history_each_turn(service: Service) -> None:
 
 def test_add_alias_default_remove_round_trip(service: Service, tiny_llama_dir: str) -> None:
     added = ok(service, "add", "gamma", "--source", tiny_llama_dir, "--isq", "Q8_0", "--alias", "g1", "--alias",
-               "g2", "--no-load", "--pinned", "--keep-alive", "5m")
+               "g2", "--no-load", "--pinned", "--keep-alive", "5m", "--replicas", "2")
     assert added == "gamma: unloaded\n"
     card = service.card("gamma")
+    assert card["spec"]["engine"]["num_replicas"] == 2
     assert (card["spec"]["which"], card["spec"]["in_situ_quant"], card["aliases"], card["pinned"],
             card["keep_alive"]) == ({**card["spec"]["which"], "type": "plain", "model_id": tiny_llama_dir}, "Q8_0",
                                     ["g1", "g2"], True, "5m")
@@ -180,6 +181,13 @@ def test_pin_and_unpin_are_saved(service: Service) -> None:
     assert failed(cli(service, "pin", "nope")) == "model `nope` was not found"
     assert failed(cli(service, "unpin", "b", key=USER_KEY)) == (
         "this key may not use the admin API (it needs an admin key)")
+
+
+def test_scale_saves_replica_settings(service: Service) -> None:
+    assert ok(service, "scale", "b", "--routing", "prefix") == "org/beta: 1 replicas, routing prefix\n"
+    assert service.card("org/beta")["spec"]["engine"]["routing"] == "prefix"
+    assert "num_replicas" in failed(cli(service, "scale", "b", "--replicas", "0"))
+    assert ok(service, "scale", "b", "--routing", "least_loaded") == "org/beta: 1 replicas, routing least_loaded\n"
 
 
 def test_the_installed_console_script(service: Service) -> None:
