@@ -105,13 +105,14 @@ class ModelServer:
     @contextlib.asynccontextmanager
     async def _serving(self, request: ChatCompletionRequest | CompletionRequest) -> AsyncIterator[Engine]:
         """The engine for one generation request; its `n` sequences count in this replica's load meanwhile."""
+        sequences = request.n or 1
         self.requests_served += 1
-        self.sequences += request.n or 1
+        self.sequences += sequences
         try:
             async with self.slot.use() as engine:
                 yield engine
         finally:
-            self.sequences -= request.n or 1
+            self.sequences -= sequences
 
     async def _measured(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
         """The engine's events, each finished choice's figures recorded (`rayrunner.runtime.metrics.generation`)."""

@@ -188,11 +188,16 @@ class ModelSpec(BaseModel):
     def kind(self) -> str:
         return self.which.kind
 
+    def without_replicas(self) -> ModelSpec:
+        """The spec with its replica settings (how many replicas run, how requests pick one) at their defaults:
+        what stays the same when a model is only rescaled."""
+        engine = self.engine.model_dump(exclude=set(Replicas.model_fields))
+        return self.model_copy(update={"engine": EngineSettings.model_validate(engine)})
+
     def replica_args(self) -> dict[str, Any]:
-        """What each replica is constructed with: the spec less how many replicas run and how requests pick one, so
-        a change of those alone is one Serve scales in place (same deployment version), restarting no replica."""
-        engine = self.engine.model_dump(mode="json", exclude=set(Replicas.model_fields))
-        return {**self.model_dump(mode="json"), "engine": engine}
+        """What each replica is constructed with: the spec less its replica settings, so a change of those alone is
+        one Serve scales in place (same deployment version), restarting no replica."""
+        return self.without_replicas().model_dump(mode="json")
 
     def rescaled(self, changes: dict[str, Any]) -> ModelSpec:
         """This spec with new replica settings (`num_replicas` or `autoscaling_config`, `routing`): one way of

@@ -91,7 +91,7 @@ class Registry(CapacityMixin):
         await self._ensure_reconciled()  # starts the idle timer; the reconcile below settles every model
         # a LoRA model served by its host's replica loads by loading that host
         to_load = {self.state.serving(mid).spec.model_id for mid in changes.added if declared[mid].load}
-        await self._reconcile(to_load, set(changes.respecified) - set(changes.rescaled), set(changes.rescaled))
+        await self._reconcile(to_load, set(changes.respecified), set(changes.rescaled))
         return changes.log
 
     async def _ensure_reconciled(self) -> None:
@@ -100,9 +100,9 @@ class Registry(CapacityMixin):
             self._spawn(watch_replicas(self.apps, lambda: {r.spec.app_name: mid for mid, r in self.state.models.items()
                                                            if self.state.host_of(mid) is None}))
         if not self._reconciled:
-            await self._reconcile(set(), set())
+            await self._reconcile(set(), set(), set())
 
-    async def _reconcile(self, to_load: set[str], respecified: set[str], rescaled: set[str] | None = None) -> None:
+    async def _reconcile(self, to_load: set[str], respecified: set[str], rescaled: set[str]) -> None:
         """Make each status match Serve: adopt running apps, wait for starting ones, load new `load: true` ones,
         redeploy a running model whose spec the config changed unless the config itself deployed it so, and
         rescale in place one whose replica count or routing alone changed.
@@ -119,12 +119,13 @@ class Registry(CapacityMixin):
             state = await self.apps.state(record.spec.app_name)
             running = state.running >= 1 and state.deployment_status == "HEALTHY"
             starting = state.exists and state.deployment_status not in ("HEALTHY", "DEPLOY_FAILED", "UNHEALTHY")
-            if running and model_id in (rescaled or set()):
-                record.status = "loaded"
-                self._spawn(self._rescale(record))
-            elif (running or starting) and model_id in respecified and not await self._runs_spec(record.spec):
-                logger.info("config: redeploying `%s`, which runs the spec the config replaced", model_id)
-                self._start_load(record, mode="replace")
+            if (running or starting) and model_id in respecified and not await self._runs_spec(record.spec):
+                if running and model_id in rescaled:
+                    record.status = "loaded"
+                    self._spawn(self._rescale(record))
+                else:
+                    logger.info("config: redeploying `%s`, which runs the spec the config replaced", model_id)
+                    self._start_load(record, mode="replace")
             elif running and await self.apps.replica_asleep(record.spec.app_name):  # running is known: ask the replica
                 record.status, record.unload_mode = "unloaded", "sleep"
             elif running:
@@ -412,7 +413,7 @@ class Registry(CapacityMixin):
         async with self._lock(record.spec.model_id):
             if record.status != "loaded":
                 return  # unloaded meanwhile: the next load deploys the new count
-            logger.info("config: rescaling `%s` in place to %s", record.spec.model_id,
+            logger.info("rescaling `%s` in place to %s", record.spec.model_id,
                         record.spec.engine.serve_options())
             await self._bring_up(record.spec, record.deployed_version)
 

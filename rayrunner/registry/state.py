@@ -56,7 +56,7 @@ class ConfigChanges:
 
     added: list[str] = field(default_factory=list)
     respecified: list[str] = field(default_factory=list)
-    rescaled: list[str] = field(default_factory=list)  # respecified in replica count or routing only
+    rescaled: list[str] = field(default_factory=list)  # of those, respecified in replica count or routing only
     log: list[str] = field(default_factory=list)
 
 
@@ -233,8 +233,7 @@ class RegistryState(BaseModel):
         """An add of a registered model with the same spec: adds the aliases it lacks, changes nothing else. Replica
         settings do not count: the registered ones stay (an operator's `scale` outlives a script's `Runner(...)`)."""
         record = self.models[spec.model_id]
-        differences = spec_differences(ModelSpec.model_validate(record.spec.replica_args()),
-                                       ModelSpec.model_validate(spec.replica_args()))
+        differences = spec_differences(record.spec.without_replicas(), spec.without_replicas())
         if differences:
             raise SpecMismatchError(spec.model_id, "; ".join(differences))
         for alias in aliases:
@@ -284,7 +283,7 @@ class RegistryState(BaseModel):
                 old = self.models[model_id].spec
                 self.models[model_id].spec = entry.spec
                 changes.respecified.append(model_id)
-                if old.replica_args() == entry.spec.replica_args():
+                if old.without_replicas() == entry.spec.without_replicas():
                     changes.rescaled.append(model_id)
                 changes.log.append(f"model `{model_id}`: spec changed by the config ({'; '.join(differences)})")
             for alias in entry.aliases:
