@@ -35,11 +35,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from rayrunner.deployments.step.kv_batch import BatchCache, mergeable
+from rayrunner.deployments.step.kv_batch import BatchCache, layer_windows, mergeable
 from rayrunner.quantization.cpu_gemm import wide_dtype
 from rayrunner.quantization.int8_rows import KERNEL_IN_MULTIPLE, KERNEL_MAX_ROWS, Int8Linear, int8_matmul, share_storage
 
-DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoderLayer", "Qwen2DecoderLayer",
+                            "Qwen3DecoderLayer"})
 FLOAT32_ATTENTION_MAX = 2048  # cached positions over all rows up to which attention runs in float32 (see above)
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 SHARED_QDATA, SHARED_SCALE = "shared_qdata", "shared_scale"  # buffers of an attention or MLP module (see above)
@@ -60,6 +61,7 @@ class FastDecode:
             _share(layer.self_attn, QKV)
             _share(layer.mlp, GATE_UP)
         self.layers = [_Layer(layer) for layer in decoder.layers[: config.num_hidden_layers]]
+        self.windows = layer_windows(config)
 
     @classmethod
     def for_model(cls, model: Any) -> FastDecode | None:
@@ -90,7 +92,7 @@ class FastDecode:
         cos, sin = self.decoder.rotary_emb.forward(hidden, positions)  # [rows, 1, head_dim]
         half = self.head_dim // 2
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        bias: torch.Tensor | None = None
+        biases: dict[int | None, torch.Tensor] = {}  # by window: the same for every layer of one kind
         kernel = hidden.dtype == torch.bfloat16 and ids.shape[0] <= KERNEL_MAX_ROWS
         rows, heads, kv_heads, dim = ids.shape[0], self.heads, self.kv_heads, self.head_dim
         for index, layer in enumerate(self.layers):
@@ -101,8 +103,10 @@ class FastDecode:
                 dim=1)
             both = torch.addcmul(both * cos, both.roll(half, dims=-1), sin)  # [rows, heads + kv_heads, head_dim]
             keys, values = batch.append(index, both[:, heads:, None], qkv[:, heads + kv_heads:, None])
+            window = self.windows[index]
+            bias = biases.get(window)
             if bias is None or bias.shape[-1] != keys.shape[2]:
-                bias = _attention_bias(mask, keys.shape[2])
+                bias = biases[window] = _attention_bias(mask, keys.shape[2], window)
             out = _grouped_attention(both[:, :heads].reshape(rows, kv_heads, -1, dim), keys, values, bias,
                                      layer.scaling)
             hidden += _linear(layer.o_proj, out.view(rows, -1), kernel)
@@ -166,10 +170,13 @@ def _rms_norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
     return norm.weight * (values * scale).to(hidden.dtype)
 
 
-def _attention_bias(mask: torch.Tensor, capacity: int) -> torch.Tensor:
-    """An additive float32 bias [rows, 1, 1, capacity] hiding left padding and the room past the cached positions."""
+def _attention_bias(mask: torch.Tensor, capacity: int, window: int | None = None) -> torch.Tensor:
+    """An additive float32 bias [rows, 1, 1, capacity] hiding left padding, the room past the cached positions and,
+    for a sliding-window layer, the positions `window` or more before the new one (transformers' sliding mask)."""
     bias = torch.full((mask.shape[0], capacity), float("-inf"), dtype=torch.float32, device=mask.device)
     bias[:, : mask.shape[1]].masked_fill_(mask != 0, 0.0)
+    if window is not None:
+        bias[:, : max(mask.shape[1] - window, 0)] = float("-inf")
     return bias[:, None, None]
 
 

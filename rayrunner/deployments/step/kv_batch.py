@@ -18,23 +18,42 @@ alternating): 16 rows of 1,000 tokens 1.30x (bf16), 16 rows of 100 1.02x, one ro
 
 from __future__ import annotations
 
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 MIN_ROOM = 16  # positions reserved ahead at least (see above)
 
 
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})  # layer kinds kept as plain `DynamicLayer`s
+
+
 def new_cache(config: object) -> DynamicCache:
+    """An empty cache for `config`'s model: a plain layer per attention layer, sliding-window ones included (see
+    above), else transformers' own layers (recurrent states, chunked attention)."""
+    if mergeable(config):
+        return DynamicCache()  # layers added as the forward fills them, each a `DynamicLayer`
     return DynamicCache(config=config)  # type: ignore[arg-type]
 
 
 def mergeable(config: object) -> bool:
-    """Whether rows of this model's cache can be padded, joined and dropped (plain full-attention layers only)."""
-    return all(type(layer) is DynamicLayer for layer in new_cache(config).layers)
+    """Whether rows of this model's cache can be padded, joined and dropped: every layer is attention, full or
+    sliding-window (the window is the mask's, from the config)."""
+    return set(_layer_types(config)) <= ATTENTION_LAYERS
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window (None: it attends to every cached position)."""
+    window = getattr(config.get_text_config(decoder=True), "sliding_window", None)
+    return [window if kind == "sliding_attention" else None for kind in _layer_types(config)]
+
+
+def _layer_types(config: Any) -> list[str]:
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return list(layer_types)
 
 
 class BatchCache:
