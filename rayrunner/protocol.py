@@ -326,12 +326,17 @@ class EmbeddingRequest(_Lenient):
 # ---------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(BaseModel):
-    """Token counts plus mistral.rs-style timing."""
+    """Token counts (OpenAI's, with `prompt_tokens_details.cached_tokens`) plus mistral.rs-style timing."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     avg_tok_per_sec: float = 0.0
     avg_prompt_tok_per_sec: float = 0.0
     avg_compl_tok_per_sec: float = 0.0
@@ -340,7 +345,8 @@ class Usage(BaseModel):
     total_completion_time_sec: float = 0.0
 
     @classmethod
-    def from_timing(cls, prompt_tokens: int, completion_tokens: int, prompt_s: float, completion_s: float) -> Usage:
+    def from_timing(cls, prompt_tokens: int, completion_tokens: int, prompt_s: float, completion_s: float,
+                    cached_tokens: int = 0) -> Usage:
         total_s = prompt_s + completion_s
         total = prompt_tokens + completion_tokens
 
@@ -351,6 +357,7 @@ class Usage(BaseModel):
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=total,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
             avg_tok_per_sec=rate(total, total_s),
             avg_prompt_tok_per_sec=rate(prompt_tokens, prompt_s),
             avg_compl_tok_per_sec=rate(completion_tokens, completion_s),

@@ -51,6 +51,7 @@ class GenerationEvent:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those taken from the prefix cache
     completion_tokens: int = 0
     prompt_time_s: float = 0.0
     completion_time_s: float = 0.0

@@ -69,6 +69,7 @@ def usage_of(finals: list[GenerationEvent]) -> Usage:
         sum(e.completion_tokens for e in finals),
         max(e.prompt_time_s for e in finals),
         max(e.completion_time_s for e in finals),
+        finals[0].cached_tokens,
     )
 
 

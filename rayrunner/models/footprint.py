@@ -1,6 +1,7 @@
 """A model's memory before it is loaded, for `max_loaded_bytes`: its weights at the dtype it will load in (read
 from the safetensors headers or the GGUF file's size), shrunk by in-situ quantization, plus a KV cache reserve of
-one full-length sequence (from config.json), or the KV cache the vllm backend reserves. Rough by design; once a
+one full-length sequence (from config.json), or the engine's KV budget when set (`engine.kv_cache_bytes`; the vllm
+backend's `vllm.kv_cache_bytes`). Rough by design; once a
 model has loaded, its measured weight bytes replace the weight part.
 """
 
@@ -97,6 +98,8 @@ def _safetensors_numel(path: Path) -> int:
 def _kv_reserve(spec: ModelSpec, folder: Path) -> int:
     if spec.engine.backend == "vllm":
         return spec.engine.vllm.kv_cache_bytes  # what vLLM reserves at start, used or not
+    if spec.engine.kv_cache_bytes is not None:
+        return spec.engine.kv_cache_bytes  # the most the engine's caches hold
     config_path = folder / "config.json"
     if not config_path.exists():
         return 0

@@ -263,7 +263,8 @@ def _response(response_id: str, created_at: int, model: str, request: ResponsesR
 
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     input_tokens, output_tokens = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": input_tokens + output_tokens}
 

@@ -144,7 +144,9 @@ def generation(model: str, event: Any) -> None:
     if event.completion_tokens > 1:
         _histogram("rayrunner_inter_token_latency_seconds", "Mean seconds between a reply's tokens.",
                    tuple(_LATENCY_S)).observe(event.completion_time_s / (event.completion_tokens - 1), tags=tags)
-    for name, description, count in (("rayrunner_prompt_tokens", "Prompt tokens prefilled.", event.prompt_tokens),
+    for name, description, count in (("rayrunner_prompt_tokens", "Prompt tokens.", event.prompt_tokens),
+                                     ("rayrunner_cached_prompt_tokens", "Prompt tokens taken from the prefix cache.",
+                                      getattr(event, "cached_tokens", 0)),
                                      ("rayrunner_completion_tokens", "Tokens generated.", event.completion_tokens)):
         if count > 0:  # Ray's counters refuse 0 (`echo` with max_tokens 0 generates none)
             _counter(name, description).inc(count, tags=tags)
@@ -154,6 +156,20 @@ def replica_sequences(model: str, replica: str, sequences: int) -> None:
     """The sequences one replica serves, running or waiting (what the request router balances), every second."""
     _held.set(_gauge("rayrunner_replica_sequences", "Sequences a model replica serves, running or waiting.", "replica"),
               float(sequences), {"model": model, "replica": replica})
+
+
+def kv_cache(model: str, held: int, budget: int) -> None:
+    """Bytes a model replica's KV caches hold (running sequences, prompts being prefilled, reused prefixes), and
+    its budget."""
+    tags = {"model": model}
+    _held.set(_gauge("rayrunner_kv_cache_bytes", "Bytes the model replica's KV caches hold."), float(held), tags)
+    _held.set(_gauge("rayrunner_kv_cache_budget_bytes", "The model replica's KV memory budget."), float(budget), tags)
+
+
+def preempted(model: str) -> None:
+    """A sequence's cache was dropped for KV memory; it is prefilled again later."""
+    _counter("rayrunner_preemptions", "Sequences preempted for KV memory (recomputed later).").inc(
+        1, tags={"model": model})
 
 
 def sequences(model: str, running: int, queued: int) -> None:

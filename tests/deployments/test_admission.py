@@ -15,9 +15,10 @@ class Seq:
     adapter: str | None = None
     extra_inputs: dict[str, Any] = field(default_factory=dict)
     scores_prompt: bool = False
+    prefilled: int = 0
 
     @property
-    def prompt_ids(self) -> list[int]:
+    def prefill_ids(self) -> list[int]:
         return [0] * self.length
 
     @property
@@ -41,7 +42,7 @@ def test_free_slots_bound_the_group_and_forks_count() -> None:
 def test_a_prompt_that_needs_its_own_pass_goes_alone() -> None:
     admission = Admission(chunk_tokens=100)
     long, image, scored = Seq(150), Seq(10, extra_inputs={"pixel_values": 1}), Seq(10, scores_prompt=True)
-    assert admission.needs_chunks(long) and not admission.needs_chunks(Seq(100))
+    assert admission.chunked(long) and not admission.chunked(Seq(100))
     for alone in (long, image, scored):
         assert admission.group([alone, Seq(5)], [], free_slots=8) == 1
         assert admission.group([Seq(5), alone], [], free_slots=8) == 1

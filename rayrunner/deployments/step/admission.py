@@ -1,24 +1,28 @@
 """Which waiting sequences start at the next step: the scheduler's admission policy, apart from its execution.
 
 A step prefills either one group of whole prompts, left-padded into one batch, or one chunk of a long prompt. The
-group is taken from the head of the queue, in order, while it fits the free sequence slots and the chunk's token
-budget (its longest prompt times its size); a prompt that needs a pass of its own (images, prompt logprobs, a
-prompt longer than one chunk) goes alone; a sequence for a LoRA adapter waits while `max_adapters` others are in
-use. Pure logic over the sequences' sizes: tested without a model.
+group is taken from the head of the queue, in order, while it fits the free sequence slots, the chunk's token
+budget (its longest prompt times its size) and the KV memory budget (`fits`, the scheduler's); a prompt that needs a
+pass of its own (images, prompt logprobs, a prompt longer than one chunk, one that starts from cached prefix blocks)
+goes alone; a sequence for a LoRA adapter waits while `max_adapters` others are in use. Pure logic over the
+sequences' sizes: tested without a model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 
 class Waiting(Protocol):
     """What admission reads of a sequence."""
 
-    prompt_ids: list[int]
     extra_inputs: dict[str, Any]
     adapter: str | None
+    prefilled: int  # tokens of `prefill_ids` its cache starts with (prefix blocks found in the cache)
+
+    @property
+    def prefill_ids(self) -> list[int]: ...  # the tokens its prefill feeds
 
     @property
     def slots(self) -> int: ...  # sequence slots it holds once running (1 + its forks)
@@ -35,18 +39,22 @@ class Admission:
         self.chunk_tokens = chunk_tokens
         self.max_adapters = max_adapters
 
-    def group(self, waiting: Sequence[Waiting], running: Iterable[Waiting], free_slots: int) -> int:
-        """How many sequences from the head of `waiting` start prefilling together now."""
+    def group(self, waiting: Sequence[Waiting], running: Iterable[Waiting], free_slots: int,
+              fits: Callable[[list[Any]], bool] = lambda group: True) -> int:
+        """How many sequences from the head of `waiting` start prefilling together now; `fits(group)` says whether
+        the KV memory budget has room for a group."""
         taken: list[Waiting] = []
         in_use: set[str] = {s.adapter for s in running if s.adapter is not None}
         for candidate in waiting:
             if sum(s.slots for s in taken) + candidate.slots > free_slots:
                 break
             alone = self.alone(candidate)
-            longest = max([len(s.prompt_ids) for s in taken] + [len(candidate.prompt_ids)])
+            longest = max([len(s.prefill_ids) for s in taken] + [len(candidate.prefill_ids)])
             if taken and (alone or self.alone(taken[0]) or longest * (len(taken) + 1) > self.chunk_tokens):
                 break
             if not self._adapter_room(candidate, in_use | {s.adapter for s in taken if s.adapter is not None}):
+                break
+            if not fits([*taken, candidate]):
                 break
             taken.append(candidate)
             if alone:
@@ -54,12 +62,15 @@ class Admission:
         return len(taken)
 
     def alone(self, sequence: Waiting) -> bool:
-        """Prefilled in a pass of its own: images, a prompt scored for logprobs, or a prompt of several chunks."""
-        return bool(sequence.extra_inputs) or sequence.scores_prompt or self.needs_chunks(sequence)
+        """Prefilled in a pass of its own: images, a prompt scored for logprobs, a prompt of several chunks, or one
+        whose cache starts with cached blocks."""
+        return bool(sequence.extra_inputs) or sequence.scores_prompt or self.chunked(sequence)
 
-    def needs_chunks(self, sequence: Waiting) -> bool:
-        """A text prompt longer than one chunk is prefilled over several steps (images need one pass)."""
-        return not sequence.extra_inputs and len(sequence.prompt_ids) > self.chunk_tokens
+    def chunked(self, sequence: Waiting) -> bool:
+        """Prefilled on a cache of its own, one chunk per step: a text prompt longer than one chunk, or one that
+        starts from cached blocks (images need one pass)."""
+        to_prefill = len(sequence.prefill_ids) - sequence.prefilled
+        return not sequence.extra_inputs and (to_prefill > self.chunk_tokens or sequence.prefilled > 0)
 
     def _adapter_room(self, candidate: Waiting, in_use: set[str]) -> bool:
         if self.max_adapters is None or candidate.adapter is None:

@@ -2,9 +2,13 @@
 
 Rows are left-padded to a common length and carry an attention mask of their real tokens, so a new sequence's
 prefilled cache joins by padding (never by recomputing anyone's keys and values) and a finished one leaves by
-dropping its row. Columns that have become padding in every row are trimmed away. This needs transformers' plain
-full-attention cache layers (`DynamicLayer`); models with sliding-window or other layer kinds run one sequence at a
-time (`mergeable` tells which).
+dropping its row. Columns that have become padding in every row are trimmed away. Every attention layer, sliding-
+window ones included (Mistral, Gemma 2/3, gpt-oss, Cohere2...), is a plain `DynamicLayer` keeping every position:
+transformers' sliding-window mask hides what is out of a layer's window (in cache positions, which left padding
+shifts alike for a row's queries and keys), where its own sliding layers would drop old positions at different
+points for different rows. It costs memory for positions out of the window (the KV budget counts them) and keeps
+every sequence exact (`tests/families`). Models with other layer kinds (recurrent states, chunked attention) run one
+sequence at a time (`mergeable` tells which).
 
 transformers' cache appends by concatenating, which copies a layer's whole cache at every step: 16 rows of 1,000
 SmolLM2 tokens are 368 MB copied per step (a third of the step). `append` (the fast decode step's) writes into room
@@ -23,7 +27,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 MIN_ROOM = 16  # positions reserved ahead at least (see above)
 
@@ -72,6 +76,23 @@ class BatchCache:
     def length(self) -> int:
         return int(self.mask.shape[1])
 
+    def positions_after_step(self) -> int | None:
+        """Positions per row the layers hold once the next step appends one, when that step allocates new room
+        (as `append` does); None when it writes into room already held."""
+        room = self._room.get(0)
+        layers = _layers(self.cache)
+        if room is not None and layers and room[0].data_ptr() == layers[0].keys.data_ptr() \
+                and room[0].shape[2] > self.length:
+            return None
+        return self.length + max(MIN_ROOM, self.length // 8)
+
+    def row_kv(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of row `row`'s keys and values for its real tokens `start` to `end` (after its left padding),
+        per layer [kv_heads, end - start, head_dim]."""
+        first = self.length - int(self.mask[row].sum()) + start
+        return [(layer.keys[row, :, first: first + end - start].clone(),
+                 layer.values[row, :, first: first + end - start].clone()) for layer in _layers(self.cache)]
+
     def next_positions(self) -> torch.Tensor:
         """Each row's position for the token it feeds next: the count of its real cached tokens."""
         return self.mask.sum(dim=1, keepdim=True)
@@ -106,6 +127,7 @@ class BatchCache:
             mine.keys = torch.cat([_pad_left(mine.keys, length), _pad_left(theirs.keys, length)], dim=0)
             mine.values = torch.cat([_pad_left(mine.values, length), _pad_left(theirs.values, length)], dim=0)
         self.mask = torch.cat([_pad_left(self.mask, length), _pad_left(other.mask, length)], dim=0)
+        self._room.clear()  # the layers hold new tensors: the old room is let go now, not at the next append
 
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (in that order), then drop the columns that are padding in all of them."""
@@ -116,6 +138,7 @@ class BatchCache:
         for layer in _layers(self.cache):
             layer.keys = layer.keys.index_select(0, index)[:, :, shared_padding:]
             layer.values = layer.values.index_select(0, index)[:, :, shared_padding:]
+        self._room.clear()
 
 
 def _layers(cache: DynamicCache) -> list[_FilledLayer]:

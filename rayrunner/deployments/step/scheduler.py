@@ -37,8 +37,10 @@ from rayrunner.deployments.step.admission import Admission
 from rayrunner.deployments.step.compute_thread import ComputeThread
 from rayrunner.deployments.step.detokenizer import Detokenizer
 from rayrunner.deployments.step.fast_decode import FastDecode
-from rayrunner.deployments.step.kv_batch import BatchCache, mergeable, new_cache
+from rayrunner.deployments.step.kv_batch import MIN_ROOM, BatchCache, mergeable, new_cache
+from rayrunner.deployments.step.kv_memory import KvMemory, cache_bytes
 from rayrunner.deployments.step.lora import LoraAdapters
+from rayrunner.deployments.step.prefix_cache import BLOCK, LayerKV, cache_of
 from rayrunner.deployments.step.sampling import Logprob, logprobs_of, sample
 from rayrunner.deployments.step.sequence import Sequence, events_of
 from rayrunner.errors import InvalidRequestError, ServerOverloadedError
@@ -56,10 +58,13 @@ class SchedulerLimits:
     max_num_seqs: int = 32
     max_queued_requests: int = 256
     prefill_chunk_tokens: int = 512
+    kv_cache_bytes: int | None = None  # None: `kv_memory`'s default for the device
+    prefix_caching: bool = True
 
 
 def scheduler_limits(settings: EngineSettings) -> SchedulerLimits:
-    return SchedulerLimits(settings.max_num_seqs, settings.max_queued_requests, settings.prefill_chunk_tokens)
+    return SchedulerLimits(settings.max_num_seqs, settings.max_queued_requests, settings.prefill_chunk_tokens,
+                           settings.kv_cache_bytes, settings.prefix_caching)
 
 
 class StepScheduler:
@@ -77,9 +82,12 @@ class StepScheduler:
         self.vocab_size = _logits_width(model)
         self.limits = limits
         self.admission = Admission(limits.prefill_chunk_tokens, adapters.max_adapters if adapters else None)
-        self.max_running = limits.max_num_seqs if mergeable(model.config) else 1
-        if self.max_running < limits.max_num_seqs:
+        shared = mergeable(model.config)
+        self.max_running = limits.max_num_seqs if shared else 1
+        if not shared:
             logger.warning("this model's KV cache cannot be shared by several sequences: one runs at a time")
+        self.memory = KvMemory(limits.kv_cache_bytes, self.device, limits.prefix_caching and shared)
+        self._found: dict[int, list[LayerKV]] = {}  # by id(sequence): cached blocks its prompt starts with
         self._cond = threading.Condition()
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
@@ -126,10 +134,14 @@ class StepScheduler:
         return events_of(sequence)
 
     def stats(self) -> dict[str, int]:
+        memory = self.memory
         with self._cond:
             return {"running": self.max_running - self._free_slots(), "waiting": len(self._waiting),
                     "steps": self.steps, "max_num_seqs": self.max_running,
-                    "max_queued_requests": self.limits.max_queued_requests}
+                    "max_queued_requests": self.limits.max_queued_requests,
+                    "kv_cache_bytes": memory.held, "kv_cache_budget_bytes": memory.limit,
+                    "kv_cache_peak_bytes": memory.peak, "prefix_cache_bytes": memory.prefix.nbytes if memory.prefix
+                    else 0, "preemptions": memory.preemptions}
 
     def _free_slots(self) -> int:
         """Sequence slots no admitted sequence holds (call with the lock held)."""
@@ -224,6 +236,7 @@ class StepScheduler:
         self._reported_at = now
         stats = self.stats()
         metrics.sequences(self.model_id, stats["running"], stats["waiting"])
+        metrics.kv_cache(self.model_id, stats["kv_cache_bytes"], stats["kv_cache_budget_bytes"])
 
     def step(self) -> None:
         """One scheduling step (public for tests that drive the scheduler without its thread)."""
@@ -231,7 +244,13 @@ class StepScheduler:
         self._drop_cancelled()
         self._prefill()
         self._decode()
+        self._measure()
         self.steps += 1
+
+    def _measure(self) -> None:
+        """Record what the KV caches hold after the step (the budget's figures, as measured)."""
+        caches = [c.cache for c in (self._batch, self._chunking[1] if self._chunking else None) if c is not None]
+        self.memory.measure(caches)
 
     def _run_jobs(self) -> None:
         while self._jobs:
@@ -251,16 +270,70 @@ class StepScheduler:
         self._retire()
 
     def _admit(self) -> list[Sequence]:
-        """Take the waiting sequences to prefill this step (`Admission`): a group of whole prompts (now
-        `_prefilling`), or one long prompt that starts `_chunking`."""
+        """Take the waiting sequences to prefill this step (`Admission`, within the KV budget): a group of whole
+        prompts (now `_prefilling`), or one prompt that starts `_chunking` (long, or starting from cached blocks)."""
+        if self._waiting and not self.memory.position_bytes:
+            self.memory.probe(self.model)
         with self._cond:
-            count = self.admission.group(self._waiting, self._running, self._free_slots())
+            self._find_prefixes()
+            count = self.admission.group(self._waiting, self._running, self._free_slots(), self._fits)
+            if count == 0 and self._waiting and not self._fits([self._waiting[0]], alone=True):
+                self._refuse(self._waiting.popleft())
+                return []
             group = [self._waiting.popleft() for _ in range(count)]
-            if len(group) == 1 and self.admission.needs_chunks(group[0]):
-                self._chunking = (group[0], BatchCache(new_cache(self.model.config), self._empty_mask(1)))
+            if len(group) == 1 and self.admission.chunked(group[0]):
+                self._chunking = (group[0], self._chunk_cache(group[0]))
                 return []
             self._prefilling = group
+        for sequence in group:
+            sequence.prefilled = 0  # a group is prefilled whole
         return group
+
+    def _find_prefixes(self) -> None:
+        """How many tokens of each sequence that may start next are in the prefix cache (call with the lock held)."""
+        self._found.clear()
+        if self.memory.prefix is None:
+            return
+        for sequence in list(self._waiting)[: max(self._free_slots(), 1)]:
+            blocks = self.memory.prefix.lookup(sequence.prefill_ids, sequence.adapter) if sequence.reusable else []
+            sequence.prefilled = len(blocks) * BLOCK
+            if blocks:
+                self._found[id(sequence)] = blocks
+
+    def _chunk_cache(self, sequence: Sequence) -> BatchCache:
+        """The cache a chunked prefill starts from: the cached blocks its prompt starts with, or nothing."""
+        blocks = self._found.get(id(sequence))
+        if not blocks:
+            sequence.prefilled = 0
+            return BatchCache(new_cache(self.model.config), self._empty_mask(1))
+        if not sequence.resumed:
+            sequence.cached_tokens = sequence.prefilled
+        mask = torch.ones((1, sequence.prefilled), dtype=torch.long, device=self.device)
+        return BatchCache(cache_of(blocks), mask)
+
+    def _fits(self, group: list[Sequence], alone: bool = False) -> bool:
+        """Whether the KV budget has room for `group` to start now (`alone`: with nothing else running): its
+        prefill beside the batch, and the merged batch with some room to grow."""
+        rows = sum(s.slots for s in group)
+        longest = max(len(s.prefill_ids) for s in group) + MIN_ROOM
+        if alone or self._batch is None:
+            return self.memory.within(self.memory.bytes_of(rows, longest))
+        batch = self._batch
+        merged = self.memory.bytes_of(batch.rows + rows, max(batch.length + MIN_ROOM, longest))
+        beside = cache_bytes(batch.cache) + self.memory.bytes_of(rows, longest)
+        return self.memory.within(max(merged, beside))
+
+    def _refuse(self, sequence: Sequence) -> None:
+        """A sequence that cannot fit the KV budget even alone: a prompt is refused (400); a resumed sequence (its
+        output grew it past the budget) ends with finish_reason `length`."""
+        if sequence.resumed:
+            sequence.finish_length()
+            return
+        needed = self.memory.bytes_of(sequence.slots, len(sequence.prompt_ids) + MIN_ROOM)
+        sequence.fail(InvalidRequestError(
+            f"the prompt's {len(sequence.prompt_ids)} tokens (x{sequence.slots} choices) need {needed:,} bytes of KV "
+            f"cache, more than this model's budget of {self.memory.limit:,} (engine.kv_cache_bytes)",
+            param="messages"))
 
     def _prefill(self) -> None:
         if self._chunking is None:
@@ -274,34 +347,35 @@ class StepScheduler:
 
     def _prefill_group(self, group: list[Sequence]) -> None:
         """Prefill whole prompts as one left-padded batch, then sample each one's first token."""
-        length = max(len(s.prompt_ids) for s in group)
+        length = max(len(s.prefill_ids) for s in group)
         ids = torch.full((len(group), length), 0, dtype=torch.long, device=self.device)
         mask = torch.zeros((len(group), length), dtype=torch.long, device=self.device)
         for row, s in enumerate(group):
-            ids[row, length - len(s.prompt_ids):] = torch.tensor(s.prompt_ids, device=self.device)
-            mask[row, length - len(s.prompt_ids):] = 1
+            ids[row, length - len(s.prefill_ids):] = torch.tensor(s.prefill_ids, device=self.device)
+            mask[row, length - len(s.prefill_ids):] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = BatchCache(new_cache(self.model.config), mask)
         extra = group[0].extra_inputs if len(group) == 1 else {}
-        scored = group[0].params.prompt_logprobs  # then the group is this one sequence, unpadded
+        scored = group[0].scores_prompt  # then the group is this one sequence, unpadded
         logits = self._forward(group, ids, mask, positions, cache, extra, every_position=scored)
         if scored:
             self._score_prompt(group[0], logits[0], 0)
         self._started(group, logits[:, -1, :], cache)
 
     def _prefill_chunk(self, sequence: Sequence, cache: BatchCache) -> None:
-        """Feed the next chunk of a long prompt; after the last one it joins the running batch."""
+        """Feed the next chunk of a long prompt (after the cached blocks it starts with); after the last one it
+        joins the running batch."""
         start = sequence.prefilled
-        chunk = sequence.prompt_ids[start: start + self.limits.prefill_chunk_tokens]
+        chunk = sequence.prefill_ids[start: start + self.limits.prefill_chunk_tokens]
         ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(chunk), device=self.device).unsqueeze(0)
-        scored = sequence.params.prompt_logprobs
+        scored = sequence.scores_prompt
         logits = self._forward([sequence], ids, cache.mask_with(len(chunk)), positions, cache,
                                every_position=scored)
         if scored:
             self._score_prompt(sequence, logits[0], start)
         sequence.prefilled += len(chunk)
-        if sequence.prefilled == len(sequence.prompt_ids):
+        if sequence.prefilled == len(sequence.prefill_ids):
             self._started([sequence], logits[:, -1, :], cache)
 
     def _score_prompt(self, sequence: Sequence, logits: torch.Tensor, start: int) -> None:
@@ -313,10 +387,12 @@ class StepScheduler:
         sequence.prompt_logprobs.extend(sequence.token_logprob(f) for f in found)
 
     def _started(self, group: list[Sequence], logits: torch.Tensor, cache: BatchCache) -> None:
-        """Sequences whose prompt is in `cache`: each choice (a fork gets a copy of its request's cache row) takes
-        its first token and joins the running batch."""
-        rows = [row for row, s in enumerate(group) for _ in s.choices]
-        choices = [choice for s in group for choice in s.choices]
+        """Sequences whose prompt is in `cache`: their blocks go to the prefix cache, and each choice (a fork gets a
+        copy of its request's cache row) takes its first token and joins the running batch (making room for it)."""
+        for row, sequence in enumerate(group):
+            self._keep_prefix(sequence, cache, row)
+        rows = [row for row, s in enumerate(group) for _ in s.joining]
+        choices = [choice for s in group for choice in s.joining]
         if len(choices) > len(group):
             cache.keep(rows)
             logits = logits[rows]
@@ -324,16 +400,24 @@ class StepScheduler:
             if choice.params.max_tokens == 0:
                 choice.finish_empty()
         self._sample(choices, logits)
+        with self._cond:
+            self._prefilling, self._chunking = [], None
+        self._make_room(lambda: self._merged_bytes(cache))
         if self._batch is None:
             self._batch = cache
         else:
             self._batch.merge(cache)
         with self._cond:
             self._running.extend(choices)
-            self._prefilling, self._chunking = [], None
         self._retire()
 
+    def _merged_bytes(self, cache: BatchCache) -> int:
+        if self._batch is None:
+            return cache_bytes(cache.cache)
+        return self.memory.bytes_of(self._batch.rows + cache.rows, max(self._batch.length, cache.length))
+
     def _decode(self) -> None:
+        self._make_room(self._bytes_after_step, finish_alone=True)
         if self._batch is None or not self._running:
             return
         batch, running = self._batch, list(self._running)
@@ -348,6 +432,54 @@ class StepScheduler:
 
         self._guarded(running, run)
         self._retire()
+
+    def _bytes_after_step(self) -> int:
+        """What the batch and a prompt being chunked will hold after the next decode step."""
+        chunking = self._chunking
+        held = self.memory.bytes_of(1, len(chunking[0].prefill_ids) + MIN_ROOM) if chunking else 0
+        if self._batch is None:
+            return held
+        positions = self._batch.positions_after_step()
+        batch = cache_bytes(self._batch.cache) if positions is None else self.memory.bytes_of(self._batch.rows,
+                                                                                               positions)
+        return held + batch
+
+    def _make_room(self, needed: Callable[[], int], finish_alone: bool = False) -> None:
+        """Make room in the KV budget for `needed()` bytes: the prefix cache gives way, then the newest sequences
+        are preempted (a prompt being chunked first); a running sequence left alone without room ends (`length`)
+        when `finish_alone`."""
+        while not self.memory.make_room(needed()):
+            if self._chunking is not None:
+                self._preempt(self._chunking[0])
+            elif len(self._running) > 1 or (self._running and not finish_alone):
+                self._preempt(self._running[-1])
+            else:
+                if self._running:
+                    self._running[0].finish_length()
+                    self._retire()
+                return
+
+    def _preempt(self, sequence: Sequence) -> None:
+        """Drop `sequence`'s cache; it waits at the head of the queue to be prefilled again."""
+        with self._cond:
+            if self._chunking is not None and self._chunking[0] is sequence:
+                self._chunking = None
+            else:
+                index = self._running.index(sequence)
+                self._running.pop(index)
+                if self._batch is not None:
+                    if self._running:
+                        self._batch.keep([i for i in range(len(self._running) + 1) if i != index])
+                    else:
+                        self._batch = None
+            sequence.prefilled = 0
+            sequence.preemptions += 1
+            self._waiting.appendleft(sequence)
+        self.memory.preemptions += 1
+        if self.model_id is not None:
+            metrics.preempted(self.model_id)
+        logger.info("KV budget full: a sequence of %d tokens is preempted (recomputed later)",
+                    len(sequence.prefill_ids))
 
     def _sample(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
         scored = [row for row, s in enumerate(sequences) if s.params.logprobs is not None]
@@ -365,16 +497,30 @@ class StepScheduler:
                 sequence.accept(token, logprob)
 
     def _retire(self) -> None:
-        """Drop finished and cancelled sequences from the running batch."""
+        """Drop finished and cancelled sequences from the running batch (their blocks go to the prefix cache)."""
         keep = [i for i, s in enumerate(self._running) if not s.done]
         if len(keep) == len(self._running):
             return
+        for row, sequence in enumerate(self._running):
+            if sequence.done and self._batch is not None:
+                self._keep_prefix(sequence, self._batch, row)
         with self._cond:
             self._running = [self._running[i] for i in keep]
         if not keep:
             self._batch = None
         elif self._batch is not None:
             self._batch.keep(keep)
+
+    def _keep_prefix(self, sequence: Sequence, cache: BatchCache, row: int) -> None:
+        """Leave the full blocks of the tokens `cache` holds for `sequence` (row `row`) in the prefix cache, as far
+        as the KV budget has room beside what runs."""
+        prefix = self.memory.prefix
+        if prefix is None or not sequence.reusable or sequence.failed:
+            return
+        ids = (sequence.prompt_ids + sequence.output_ids)[: int(cache.mask[row].sum())]
+        held = self._bytes_after_step() + (cache_bytes(cache.cache) if cache is not self._batch else 0)
+        prefix.store(ids, sequence.adapter, lambda start, end: cache.row_kv(row, start, end),
+                     lambda nbytes: self.memory.make_room(held + nbytes))
 
     def _forward(self, rows: list[Sequence], ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: BatchCache, extra: dict[str, torch.Tensor] | None = None, every_position: bool = False

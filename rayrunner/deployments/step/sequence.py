@@ -42,7 +42,10 @@ class Sequence:
     events: asyncio.Queue[GenerationEvent | BaseException] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
     finished: bool = False
-    prefilled: int = 0  # prompt tokens already in this sequence's cache (chunked prefill)
+    failed: bool = False  # ended by an error (its cache is not kept for reuse)
+    prefilled: int = 0  # tokens of `prefill_ids` already in this sequence's cache (chunked prefill, reuse)
+    cached_tokens: int = 0  # prompt tokens its first prefill took from the prefix cache
+    preemptions: int = 0  # times its cache was dropped for KV memory (prefilled again from prompt and output)
     started_at: float = 0.0
     first_token_at: float | None = None
     row: SamplingRow | None = None
@@ -60,14 +63,36 @@ class Sequence:
         return [self, *self.forks]
 
     @property
+    def resumed(self) -> bool:
+        """Preempted after generating: prefilled again from its prompt and output, as itself alone (its forks run
+        on their own)."""
+        return bool(self.output_ids)
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens its prefill feeds: the prompt, and for a resumed sequence its output so far too (the logits
+        of the last give its next token)."""
+        return self.prompt_ids + self.output_ids if self.resumed else self.prompt_ids
+
+    @property
+    def joining(self) -> list[Sequence]:
+        """The choices that join the running batch once its prefill ends."""
+        return [self] if self.resumed else self.choices
+
+    @property
     def slots(self) -> int:
         """Running-sequence slots the request takes once prefilled."""
-        return 1 + len(self.forks)
+        return len(self.joining)
 
     @property
     def scores_prompt(self) -> bool:
-        """Its prompt's tokens are scored (completions `echo` with logprobs)."""
-        return self.params.prompt_logprobs
+        """Its prompt's tokens are scored (completions `echo` with logprobs), at its first prefill."""
+        return self.params.prompt_logprobs and not self.resumed
+
+    @property
+    def reusable(self) -> bool:
+        """Its prompt may be taken from, and left in, the prefix cache: text only, not scored for logprobs."""
+        return not self.extra_inputs and not self.params.prompt_logprobs
 
     def sampling_row(self, device: torch.device) -> SamplingRow:
         if self.row is None:
@@ -97,9 +122,13 @@ class Sequence:
         if self.detokenizer.stopped:
             self._finish("stop", text)
         elif len(self.output_ids) >= self.params.max_tokens:
-            self._finish("length", text + self.detokenizer.flush())
+            self.finish_length(text)
         elif text:
             self.emit(self._event(text=text))
+
+    def finish_length(self, text: str = "") -> None:
+        """End with finish_reason `length`: max_tokens reached, or no KV memory left to grow into."""
+        self._finish("length", text + self.detokenizer.flush())
 
     def finish_empty(self) -> None:
         """End without generating (max_tokens 0: a completions `echo` that only scores the prompt)."""
@@ -107,7 +136,7 @@ class Sequence:
         self._finish("length", "")
 
     def fail(self, error: BaseException) -> None:
-        self.finished = True
+        self.finished = self.failed = True
         self.emit(error)
 
     def emit(self, item: GenerationEvent | BaseException) -> None:
@@ -126,6 +155,7 @@ class Sequence:
                 text=text,
                 finish_reason=reason,
                 prompt_tokens=len(self.prompt_ids),
+                cached_tokens=self.cached_tokens,
                 completion_tokens=len(self.output_ids),
                 prompt_time_s=first - self.started_at,
                 completion_time_s=end - first,

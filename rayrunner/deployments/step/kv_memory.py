@@ -1,0 +1,87 @@
+"""The KV memory budget of one scheduler: what its caches may hold, and what they hold.
+
+Three things hold keys and values: the running batch (`BatchCache`: rows times the positions its tensors hold, left
+padding and reserved room included), the cache of a prompt being prefilled, and the prefix cache (`PrefixCache`).
+The scheduler asks before each of its moves whether the budget has room for what the move will hold; the prefix
+cache gives way first (least recently used blocks), then the newest sequences are preempted: their caches are
+dropped and they wait at the head of the queue, to be prefilled again from their prompt and output (vLLM's
+recompute preemption; their blocks are often still in the prefix cache). A sequence alone that cannot grow ends with
+finish_reason `length`; a prompt that cannot fit at all is refused (400). Nothing runs out of memory, nothing fails.
+
+The default budget: on a GPU, `GPU_FREE_FRACTION` of the device memory free once the weights are loaded; on CPU,
+`CPU_DEFAULT_BYTES`. `measure` reads what the caches' tensors really hold (their storages), which the metrics report
+and tests compare with the budget.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from rayrunner.deployments.step.prefix_cache import PrefixCache
+
+CPU_DEFAULT_BYTES = 1 << 30
+GPU_FREE_FRACTION = 0.5
+
+
+class KvMemory:
+    """A budget of `limit` bytes (None: the default for `device`), and the prefix cache that lives within it."""
+
+    def __init__(self, limit: int | None, device: torch.device, prefix_caching: bool) -> None:
+        self.limit = limit if limit is not None else default_limit(device)
+        self.prefix = PrefixCache() if prefix_caching else None
+        self.position_bytes = 0  # one position of one row, over every layer (`probe`)
+        self.held = 0  # bytes held after the last step, measured
+        self.peak = 0  # most bytes held after any step, measured
+        self.preemptions = 0
+
+    def probe(self, model: Any) -> None:
+        """Learn the bytes of one cached position from a one-token forward pass (any architecture, any dtype)."""
+        if self.position_bytes:
+            return
+        cache = DynamicCache()
+        with torch.inference_mode():
+            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=model.device), cache=cache, use_cache=True)
+        self.position_bytes = max(cache_bytes(cache), 1)
+
+    def bytes_of(self, rows: int, positions: int) -> int:
+        return rows * positions * self.position_bytes
+
+    def within(self, needed: int) -> bool:
+        """Whether `needed` bytes (besides the prefix cache) fit the budget once the prefix cache gives way."""
+        return needed <= self.limit
+
+    def make_room(self, needed: int) -> bool:
+        """Drop prefix blocks until `needed` bytes fit beside what stays cached; whether they fit."""
+        prefix_bytes = self.prefix.nbytes if self.prefix is not None else 0
+        excess = needed + prefix_bytes - self.limit
+        if excess > 0 and self.prefix is not None:
+            self.prefix.evict(excess)
+            prefix_bytes = self.prefix.nbytes
+        return needed + prefix_bytes <= self.limit
+
+    def measure(self, caches: list[DynamicCache]) -> int:
+        """Record the bytes `caches` and the prefix cache hold now; that figure."""
+        self.held = sum(cache_bytes(cache) for cache in caches) + (self.prefix.nbytes if self.prefix else 0)
+        self.peak = max(self.peak, self.held)
+        return self.held
+
+
+def default_limit(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * GPU_FREE_FRACTION)
+    return CPU_DEFAULT_BYTES
+
+
+def cache_bytes(cache: DynamicCache) -> int:
+    """Bytes the storages behind `cache`'s keys and values hold (reserved room included, each storage once)."""
+    storages: dict[int, int] = {}
+    for layer in cache.layers:
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

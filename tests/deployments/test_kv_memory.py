@@ -1,0 +1,102 @@
+"""The KV memory budget on a tiny float32 Llama: admission within the budget, preemption (recompute) of the newest
+sequences when running ones outgrow it, the measured bytes never past it, every reply exact; a prompt that cannot fit
+is refused."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rayrunner.deployments.sampling_params import SamplingParams
+from rayrunner.deployments.step.detokenizer import Detokenizer
+from rayrunner.deployments.step.scheduler import SchedulerLimits, StepScheduler
+from rayrunner.deployments.step.sequence import Sequence
+from rayrunner.errors import InvalidRequestError
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir: str) -> Any:
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir: str) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+def _position_bytes(model: Any) -> int:
+    scheduler = StepScheduler(model, SchedulerLimits())
+    scheduler.memory.probe(model)
+    return scheduler.memory.position_bytes
+
+
+def _run(model: Any, tokenizer: Any, loop: asyncio.AbstractEventLoop, prompts: list[list[int]], max_tokens: int,
+         **limits: Any) -> tuple[list[Sequence], StepScheduler, int]:
+    """Submit all `prompts` at once (greedy, EOS ignored) and step until every one ends; the sequences, the
+    scheduler, and the most bytes its caches held after any step."""
+    scheduler = StepScheduler(model, SchedulerLimits(**limits))
+    sequences = [Sequence(p, SamplingParams(max_tokens=max_tokens), Detokenizer(tokenizer, []), set(), loop)
+                 for p in prompts]
+    for sequence in sequences:
+        scheduler.submit(sequence)
+    peak = 0
+    with torch.inference_mode():
+        while not all(s.done for s in sequences):
+            scheduler.step()
+            peak = max(peak, scheduler.memory.held)
+    return sequences, scheduler, peak
+
+
+def _prompts(count: int, length: int) -> list[list[int]]:
+    return [[(31 * t + 7 * i) % 4000 + 10 for t in range(length)] for i in range(count)]
+
+
+def test_eight_requests_of_1000_tokens_in_a_2000_token_budget(model: Any, tokenizer: Any,
+                                                              loop: asyncio.AbstractEventLoop) -> None:
+    budget = 2000 * _position_bytes(model)
+    prompts = _prompts(8, 500)
+    squeezed, scheduler, peak = _run(model, tokenizer, loop, prompts, 500, max_num_seqs=8, kv_cache_bytes=budget,
+                                     prefill_chunk_tokens=256)
+    roomy, _, _ = _run(model, tokenizer, loop, prompts, 500, max_num_seqs=8, prefill_chunk_tokens=256)
+    assert not any(s.failed for s in squeezed)
+    assert [len(s.output_ids) for s in squeezed] == [500] * 8
+    assert 0 < peak <= budget  # measured from the caches' storages after every step
+    assert scheduler.memory.preemptions > 0 and scheduler.stats()["preemptions"] == scheduler.memory.preemptions
+    assert [s.output_ids for s in squeezed] == [s.output_ids for s in roomy]  # recomputed exactly
+
+
+def test_a_prompt_past_the_budget_is_refused_and_others_go_on(model: Any, tokenizer: Any,
+                                                              loop: asyncio.AbstractEventLoop) -> None:
+    budget = 300 * _position_bytes(model)
+    scheduler = StepScheduler(model, SchedulerLimits(kv_cache_bytes=budget, prefill_chunk_tokens=128))
+    big, small = (Sequence(p, SamplingParams(max_tokens=4), Detokenizer(tokenizer, []), set(), loop)
+                  for p in (_prompts(1, 400)[0], _prompts(1, 20)[0]))
+    scheduler.submit(big)
+    scheduler.submit(small)
+    with torch.inference_mode():
+        while not (big.done and small.done):
+            scheduler.step()
+    loop.run_until_complete(asyncio.sleep(0))  # the events handed over with call_soon_threadsafe
+    error = big.events.get_nowait()
+    assert isinstance(error, InvalidRequestError) and error.status == 400 and "kv_cache_bytes" in str(error)
+    assert len(small.output_ids) == 4 and not small.failed
+
+
+def test_a_sequence_alone_that_outgrows_the_budget_ends_with_length(model: Any, tokenizer: Any,
+                                                                    loop: asyncio.AbstractEventLoop) -> None:
+    budget = 200 * _position_bytes(model)
+    (sequence,), _, peak = _run(model, tokenizer, loop, _prompts(1, 100), 400, kv_cache_bytes=budget)
+    assert sequence.finished and not sequence.failed and 50 < len(sequence.output_ids) < 100  # room grows by 1/8
+    assert peak <= budget
