@@ -156,6 +156,7 @@ class VllmEngine(ChatTokens, Engine):
                     event = _event(choice, output if is_first else None, sampling.logprobs or 0)
                     if event.finish_reason is not None:
                         event.prompt_tokens, event.completion_tokens = len(ids), counts[choice.index]
+                        event.cached_tokens = int(getattr(output, "num_cached_tokens", None) or 0)
                         event.prompt_time_s = first[choice.index] - started
                         event.completion_time_s = now - first[choice.index]
                     yield event
