@@ -27,6 +27,8 @@ EXPECTED = [
     'ray_rayrunner_completion_tokens_total{.*model="tiny".*}',
     'ray_rayrunner_running_sequences{.*model="tiny".*}',
     'ray_rayrunner_queued_requests{.*model="tiny".*}',
+    'ray_rayrunner_kv_cache_bytes{.*model="tiny".*}',
+    'ray_rayrunner_kv_cache_budget_bytes{.*model="tiny".*}',
     'ray_rayrunner_replica_sequences{.*model="tiny".*replica="[a-z0-9]+".*}',
     'ray_rayrunner_model_replicas{.*model="tiny".*state="target".*} 1',
 ]
@@ -70,5 +72,5 @@ def test_metrics_appear_labelled_by_model(service: Service) -> None:
 
     time.sleep(3 * 2)  # three report intervals: Ray's agent alone would have dropped a gauge set once by now
     gauges = [pattern for pattern in EXPECTED if "status=" in pattern or "sequences" in pattern or "queued" in pattern
-              or "weight_bytes" in pattern]
+              or "weight_bytes" in pattern or "kv_cache" in pattern]
     assert [pattern for pattern in gauges if not re.search(pattern, scrape())] == []

@@ -2,13 +2,14 @@
 
 Every step it
 1. drops cancelled sequences (a client that hung up stops costing work at once),
-2. admits waiting sequences while fewer than `max_num_seqs` run, and prefills at most one chunk's worth of prompt
-   tokens: several short prompts as one padded batch, or the next `prefill_chunk_tokens` of one long prompt, so
-   running streams wait at most one chunk per step (a request for a LoRA adapter waits while `max_adapters` other
-   adapters are in use),
+2. admits waiting sequences while fewer than `max_num_seqs` run and the KV budget has room (`kv_moves`), and
+   prefills at most one chunk's worth of prompt tokens: several short prompts as one padded batch, or the next
+   `prefill_chunk_tokens` of one long prompt or of one whose start is in the prefix cache, so running streams wait
+   at most one chunk per step (a request for a LoRA adapter waits while `max_adapters` other adapters are in use),
 3. decodes one token for every running sequence in one forward pass over the shared `BatchCache` (`fast_decode`'s
    step for the Llama family without LoRA adapters, else the model's forward), with each sequence's own sampling
-   settings (`sampling.sample`), and retires the ones that finished.
+   settings (`sampling.sample`), after making room for the step in the KV budget (preempting the newest sequences
+   if it must), and retires the ones that finished (their blocks go to the prefix cache).
 Sequences join and leave between steps without recomputing anyone else's cache. Past `max_queued_requests` waiting
 sequences, `submit` refuses with `ServerOverloadedError` (HTTP 429). The loop runs on the engine's `ComputeThread`,
 the thread that loaded the model (`compute_thread` says why one thread does all the work). With LoRA adapters, every
@@ -37,10 +38,11 @@ from rayrunner.deployments.step.admission import Admission
 from rayrunner.deployments.step.compute_thread import ComputeThread
 from rayrunner.deployments.step.detokenizer import Detokenizer
 from rayrunner.deployments.step.fast_decode import FastDecode
-from rayrunner.deployments.step.kv_batch import MIN_ROOM, BatchCache, mergeable, new_cache
-from rayrunner.deployments.step.kv_memory import KvMemory, cache_bytes
+from rayrunner.deployments.step.kv_batch import BatchCache, mergeable, new_cache
+from rayrunner.deployments.step.kv_memory import KvMemory
+from rayrunner.deployments.step.kv_moves import KvMoves
 from rayrunner.deployments.step.lora import LoraAdapters
-from rayrunner.deployments.step.prefix_cache import BLOCK, LayerKV, cache_of
+from rayrunner.deployments.step.prefix_cache import LayerKV
 from rayrunner.deployments.step.sampling import Logprob, logprobs_of, sample
 from rayrunner.deployments.step.sequence import Sequence, events_of
 from rayrunner.errors import InvalidRequestError, ServerOverloadedError
@@ -67,7 +69,7 @@ def scheduler_limits(settings: EngineSettings) -> SchedulerLimits:
                            settings.kv_cache_bytes, settings.prefix_caching)
 
 
-class StepScheduler:
+class StepScheduler(KvMoves):
     """Runs one model's sequences step by step in a daemon thread; `submit` may be called from any thread."""
 
     def __init__(self, model: Any, limits: SchedulerLimits, adapters: LoraAdapters | None = None,
@@ -289,52 +291,6 @@ class StepScheduler:
             sequence.prefilled = 0  # a group is prefilled whole
         return group
 
-    def _find_prefixes(self) -> None:
-        """How many tokens of each sequence that may start next are in the prefix cache (call with the lock held)."""
-        self._found.clear()
-        if self.memory.prefix is None:
-            return
-        for sequence in list(self._waiting)[: max(self._free_slots(), 1)]:
-            blocks = self.memory.prefix.lookup(sequence.prefill_ids, sequence.adapter) if sequence.reusable else []
-            sequence.prefilled = len(blocks) * BLOCK
-            if blocks:
-                self._found[id(sequence)] = blocks
-
-    def _chunk_cache(self, sequence: Sequence) -> BatchCache:
-        """The cache a chunked prefill starts from: the cached blocks its prompt starts with, or nothing."""
-        blocks = self._found.get(id(sequence))
-        if not blocks:
-            sequence.prefilled = 0
-            return BatchCache(new_cache(self.model.config), self._empty_mask(1))
-        if not sequence.resumed:
-            sequence.cached_tokens = sequence.prefilled
-        mask = torch.ones((1, sequence.prefilled), dtype=torch.long, device=self.device)
-        return BatchCache(cache_of(blocks), mask)
-
-    def _fits(self, group: list[Sequence], alone: bool = False) -> bool:
-        """Whether the KV budget has room for `group` to start now (`alone`: with nothing else running): its
-        prefill beside the batch, and the merged batch with some room to grow."""
-        rows = sum(s.slots for s in group)
-        longest = max(len(s.prefill_ids) for s in group) + MIN_ROOM
-        if alone or self._batch is None:
-            return self.memory.within(self.memory.bytes_of(rows, longest))
-        batch = self._batch
-        merged = self.memory.bytes_of(batch.rows + rows, max(batch.length + MIN_ROOM, longest))
-        beside = cache_bytes(batch.cache) + self.memory.bytes_of(rows, longest)
-        return self.memory.within(max(merged, beside))
-
-    def _refuse(self, sequence: Sequence) -> None:
-        """A sequence that cannot fit the KV budget even alone: a prompt is refused (400); a resumed sequence (its
-        output grew it past the budget) ends with finish_reason `length`."""
-        if sequence.resumed:
-            sequence.finish_length()
-            return
-        needed = self.memory.bytes_of(sequence.slots, len(sequence.prompt_ids) + MIN_ROOM)
-        sequence.fail(InvalidRequestError(
-            f"the prompt's {len(sequence.prompt_ids)} tokens (x{sequence.slots} choices) need {needed:,} bytes of KV "
-            f"cache, more than this model's budget of {self.memory.limit:,} (engine.kv_cache_bytes)",
-            param="messages"))
-
     def _prefill(self) -> None:
         if self._chunking is None:
             group = self._admit()
@@ -411,11 +367,6 @@ class StepScheduler:
             self._running.extend(choices)
         self._retire()
 
-    def _merged_bytes(self, cache: BatchCache) -> int:
-        if self._batch is None:
-            return cache_bytes(cache.cache)
-        return self.memory.bytes_of(self._batch.rows + cache.rows, max(self._batch.length, cache.length))
-
     def _decode(self) -> None:
         self._make_room(self._bytes_after_step, finish_alone=True)
         if self._batch is None or not self._running:
@@ -432,54 +383,6 @@ class StepScheduler:
 
         self._guarded(running, run)
         self._retire()
-
-    def _bytes_after_step(self) -> int:
-        """What the batch and a prompt being chunked will hold after the next decode step."""
-        chunking = self._chunking
-        held = self.memory.bytes_of(1, len(chunking[0].prefill_ids) + MIN_ROOM) if chunking else 0
-        if self._batch is None:
-            return held
-        positions = self._batch.positions_after_step()
-        batch = cache_bytes(self._batch.cache) if positions is None else self.memory.bytes_of(self._batch.rows,
-                                                                                               positions)
-        return held + batch
-
-    def _make_room(self, needed: Callable[[], int], finish_alone: bool = False) -> None:
-        """Make room in the KV budget for `needed()` bytes: the prefix cache gives way, then the newest sequences
-        are preempted (a prompt being chunked first); a running sequence left alone without room ends (`length`)
-        when `finish_alone`."""
-        while not self.memory.make_room(needed()):
-            if self._chunking is not None:
-                self._preempt(self._chunking[0])
-            elif len(self._running) > 1 or (self._running and not finish_alone):
-                self._preempt(self._running[-1])
-            else:
-                if self._running:
-                    self._running[0].finish_length()
-                    self._retire()
-                return
-
-    def _preempt(self, sequence: Sequence) -> None:
-        """Drop `sequence`'s cache; it waits at the head of the queue to be prefilled again."""
-        with self._cond:
-            if self._chunking is not None and self._chunking[0] is sequence:
-                self._chunking = None
-            else:
-                index = self._running.index(sequence)
-                self._running.pop(index)
-                if self._batch is not None:
-                    if self._running:
-                        self._batch.keep([i for i in range(len(self._running) + 1) if i != index])
-                    else:
-                        self._batch = None
-            sequence.prefilled = 0
-            sequence.preemptions += 1
-            self._waiting.appendleft(sequence)
-        self.memory.preemptions += 1
-        if self.model_id is not None:
-            metrics.preempted(self.model_id)
-        logger.info("KV budget full: a sequence of %d tokens is preempted (recomputed later)",
-                    len(sequence.prefill_ids))
 
     def _sample(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
         scored = [row for row, s in enumerate(sequences) if s.params.logprobs is not None]
@@ -511,17 +414,6 @@ class StepScheduler:
         elif self._batch is not None:
             self._batch.keep(keep)
 
-    def _keep_prefix(self, sequence: Sequence, cache: BatchCache, row: int) -> None:
-        """Leave the full blocks of the tokens `cache` holds for `sequence` (row `row`) in the prefix cache, as far
-        as the KV budget has room beside what runs."""
-        prefix = self.memory.prefix
-        if prefix is None or not sequence.reusable or sequence.failed:
-            return
-        ids = (sequence.prompt_ids + sequence.output_ids)[: int(cache.mask[row].sum())]
-        held = self._bytes_after_step() + (cache_bytes(cache.cache) if cache is not self._batch else 0)
-        prefix.store(ids, sequence.adapter, lambda start, end: cache.row_kv(row, start, end),
-                     lambda nbytes: self.memory.make_room(held + nbytes))
-
     def _forward(self, rows: list[Sequence], ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: BatchCache, extra: dict[str, torch.Tensor] | None = None, every_position: bool = False
                  ) -> torch.Tensor:
@@ -535,9 +427,6 @@ class StepScheduler:
             out = self.adapters.forward([s.adapter for s in rows], self.active_adapters(), **inputs)
         cache.grew(mask)
         return out.logits
-
-    def _empty_mask(self, rows: int) -> torch.Tensor:
-        return torch.zeros((rows, 0), dtype=torch.long, device=self.device)
 
     def _guarded(self, sequences: list[Sequence], work: Any) -> None:
         """Run one piece of model work; if it raises, the sequences it served fail with the error (others go on)."""

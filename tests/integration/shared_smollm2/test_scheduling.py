@@ -69,3 +69,20 @@ def test_a_client_that_hangs_up_frees_its_slot(service: Service) -> None:
     while scheduler_stats()["running"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert scheduler_stats()["running"] == 0
+
+
+def test_a_repeated_conversation_reports_its_cached_prompt_tokens(service: Service) -> None:
+    """Over HTTP: the second turn of a chat reuses the first turn's cached blocks (usage says how many), and the
+    KV figures are in the scheduler's stats, within its budget."""
+    history = [{"role": "user", "content": "Tell me about the moon and its phases, in detail. " * 8}]
+    with httpx.Client(base_url=service.url, timeout=600) as http:
+        first = http.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 8,
+                                                         "temperature": 0}).json()
+        history += [first["choices"][0]["message"], {"role": "user", "content": "And the sun?"}]
+        second = http.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 8,
+                                                          "temperature": 0}).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < first["usage"]["prompt_tokens"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert first["usage"]["prompt_tokens"] - 16 <= cached < second["usage"]["prompt_tokens"]
+    stats = scheduler_stats()
+    assert stats["prefix_cache_bytes"] > 0 and stats["kv_cache_peak_bytes"] <= stats["kv_cache_budget_bytes"]
