@@ -17,6 +17,7 @@ from rayrunner.deployments.step.detokenizer import Detokenizer
 from rayrunner.deployments.step.scheduler import SchedulerLimits, StepScheduler
 from rayrunner.deployments.step.sequence import Sequence
 from rayrunner.errors import InvalidRequestError
+from tests.families.tiny_families import build
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +101,20 @@ def test_a_sequence_alone_that_outgrows_the_budget_ends_with_length(model: Any, 
     (sequence,), _, peak = _run(model, tokenizer, loop, _prompts(1, 100), 400, kv_cache_bytes=budget)
     assert sequence.finished and not sequence.failed and 50 < len(sequence.output_ids) < 100  # room grows by 1/8
     assert peak <= budget
+
+
+@pytest.mark.parametrize("family", ["LFM2 (short convolutions + attention)",
+                                    "Qwen3-Next (gated delta net + attention, MoE)"])
+def test_a_hybrid_model_is_preempted_and_resumed_exactly(family: str, tokenizer: Any,
+                                                          loop: asyncio.AbstractEventLoop) -> None:
+    """Rows of recurrent states leave and join with their sequences: a squeezed run equals a roomy one."""
+    model = build(family)
+    model.generation_config.eos_token_id = None
+    prompts = [[(31 * t + 7 * i) % 500 + 10 for t in range(40 + 10 * i)] for i in range(4)]
+    probe = StepScheduler(model, SchedulerLimits())
+    probe.memory.probe(model)
+    budget = probe.memory.bytes_of(2, 120)  # two rows of 120 positions, states included
+    squeezed, scheduler, peak = _run(model, tokenizer, loop, prompts, 60, kv_cache_bytes=budget)
+    roomy, _, _ = _run(model, tokenizer, loop, prompts, 60)
+    assert scheduler.memory.preemptions > 0 and peak <= budget
+    assert [s.output_ids for s in squeezed] == [s.output_ids for s in roomy]

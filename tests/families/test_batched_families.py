@@ -1,6 +1,7 @@
-"""Every family in `tiny_families` decodes in one shared batch: a greedy reply among 8 busy sequences joining at
-different steps equals the reply alone, and both equal transformers' `generate` (float32). Families the fast
-decode step covers run it, as served; others run transformers' forward on the same batch cache."""
+"""Every family in `tiny_families`, hybrids of attention and recurrent layers included, decodes in one shared batch:
+a greedy reply among 8 busy sequences joining at different steps equals the reply alone, and both equal
+transformers' `generate` (float32). Families the fast decode step covers run it, as served; others run
+transformers' forward on the same batch cache."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from rayrunner.deployments.step.fast_decode import FastDecode
 from rayrunner.deployments.step.scheduler import SchedulerLimits, StepScheduler
 from rayrunner.deployments.step.sequence import Sequence
 from rayrunner.models.sources import SMOLLM2, resolve
-from tests.families.tiny_families import FAMILIES, VOCAB, build
+from tests.families.tiny_families import FAMILIES, HYBRID_FAMILIES, VOCAB, build
 
 TOKENS = 10
 FAST = {"Llama", "Mistral (sliding window)", "Ministral (sliding window)", "Qwen2", "Qwen3"}
@@ -57,15 +58,16 @@ def _replies(model: object, loop: asyncio.AbstractEventLoop, tokenizer: object, 
     return [s.output_ids for s in sequences], scheduler
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [*FAMILIES, *HYBRID_FAMILIES])
 def test_greedy_in_a_busy_batch_equals_alone_and_generate(family: str, loop: asyncio.AbstractEventLoop,
                                                           tokenizer: object) -> None:
     model = build(family)
     with torch.inference_mode():
         busy, scheduler = _replies(model, loop, tokenizer, busy=True)
         alone, _ = _replies(model, loop, tokenizer, busy=False)
-        generated = [model.generate(torch.tensor([p]), max_new_tokens=TOKENS, min_new_tokens=TOKENS,
-                                    do_sample=False)[0, len(p):].tolist() for p in _prompts()]
+        model.generation_config.eos_token_id = None  # as the scheduler's sequences here: no EOS ends a reply
+        generated = [model.generate(torch.tensor([p]), max_new_tokens=TOKENS, do_sample=False)[0, len(p):].tolist()
+                     for p in _prompts()]
     assert scheduler.max_running == 8  # the family batches
     assert (scheduler.fast_decode is not None) == (family in FAST)
     assert busy == alone == generated

@@ -33,11 +33,14 @@ class Waiting(Protocol):
 
 class Admission:
     """The admission policy of one scheduler: `chunk_tokens` per prefill pass, at most `max_adapters` LoRA adapters
-    in use (None: no adapters)."""
+    in use (None: no adapters), every prompt whole in a pass of its own when `one_per_pass` (recurrent models: left
+    padding would run through their states, and not every model's layers continue a state over several tokens:
+    Jamba's do not)."""
 
-    def __init__(self, chunk_tokens: int, max_adapters: int | None = None) -> None:
+    def __init__(self, chunk_tokens: int, max_adapters: int | None = None, one_per_pass: bool = False) -> None:
         self.chunk_tokens = chunk_tokens
         self.max_adapters = max_adapters
+        self.one_per_pass = one_per_pass
 
     def group(self, waiting: Sequence[Waiting], running: Iterable[Waiting], free_slots: int,
               fits: Callable[[list[Any]], bool] = lambda group: True) -> int:
@@ -64,13 +67,14 @@ class Admission:
     def alone(self, sequence: Waiting) -> bool:
         """Prefilled in a pass of its own: images, a prompt scored for logprobs, a prompt of several chunks, or one
         whose cache starts with cached blocks."""
-        return bool(sequence.extra_inputs) or sequence.scores_prompt or self.chunked(sequence)
+        return self.one_per_pass or bool(sequence.extra_inputs) or sequence.scores_prompt or self.chunked(sequence)
 
     def chunked(self, sequence: Waiting) -> bool:
         """Prefilled on a cache of its own, one chunk per step: a text prompt longer than one chunk, or one that
         starts from cached blocks (images need one pass)."""
         to_prefill = len(sequence.prefill_ids) - sequence.prefilled
-        return not sequence.extra_inputs and (to_prefill > self.chunk_tokens or sequence.prefilled > 0)
+        whole = bool(sequence.extra_inputs) or self.one_per_pass
+        return not whole and (to_prefill > self.chunk_tokens or sequence.prefilled > 0)
 
     def _adapter_room(self, candidate: Waiting, in_use: set[str]) -> bool:
         if self.max_adapters is None or candidate.adapter is None:

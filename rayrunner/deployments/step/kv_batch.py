@@ -27,26 +27,36 @@ from typing import Any, Protocol, cast
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.cache_utils import LinearAttentionCacheLayerMixin, get_layer_types_and_kwargs
 
 MIN_ROOM = 16  # positions reserved ahead at least (see above)
 
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})  # layer kinds kept as plain `DynamicLayer`s
+RECURRENT_LAYERS = frozenset({"linear_attention", "conv", "hybrid", "full_attention", "dummy"})  # hybrid models'
 
 
 def new_cache(config: object) -> DynamicCache:
     """An empty cache for `config`'s model: a plain layer per attention layer, sliding-window ones included (see
     above), else transformers' own layers (recurrent states, chunked attention)."""
-    if mergeable(config):
+    if set(_layer_types(config)) <= ATTENTION_LAYERS:
         return DynamicCache()  # layers added as the forward fills them, each a `DynamicLayer`
     return DynamicCache(config=config)  # type: ignore[arg-type]
 
 
 def mergeable(config: object) -> bool:
     """Whether rows of this model's cache can be padded, joined and dropped: every layer is attention, full or
-    sliding-window (the window is the mask's, from the config)."""
-    return set(_layer_types(config)) <= ATTENTION_LAYERS
+    sliding-window (the window is the mask's, from the config), or the model is a hybrid of full attention and
+    recurrent layers (`recurrent`)."""
+    kinds = set(_layer_types(config))
+    return kinds <= ATTENTION_LAYERS or kinds <= RECURRENT_LAYERS
+
+
+def recurrent(config: object) -> bool:
+    """Whether some layers keep a recurrent state per row (Mamba, gated delta net, short convolutions: Qwen3-Next,
+    LFM2, Falcon-H1, Granite 4, Jamba...): rows join and leave with their states, but a prompt is prefilled alone
+    (left padding would run through the recurrence) and its start cannot be taken from cached blocks."""
+    return bool(set(_layer_types(config)) - ATTENTION_LAYERS - {"dummy"})
 
 
 def layer_windows(config: Any) -> list[int | None]:
@@ -123,9 +133,15 @@ class BatchCache:
     def merge(self, other: BatchCache) -> None:
         """Append `other`'s rows, left-padding whichever side is shorter."""
         length = max(self.length, other.length)
-        for mine, theirs in zip(_layers(self.cache), _layers(other.cache), strict=True):
-            mine.keys = torch.cat([_pad_left(mine.keys, length), _pad_left(theirs.keys, length)], dim=0)
-            mine.values = torch.cat([_pad_left(mine.values, length), _pad_left(theirs.values, length)], dim=0)
+        for mine, theirs in zip(_any_layers(self.cache), _any_layers(other.cache), strict=True):
+            if _holds_kv(mine):
+                mine.keys = torch.cat([_pad_left(mine.keys, length), _pad_left(theirs.keys, length)], dim=0)
+                mine.values = torch.cat([_pad_left(mine.values, length), _pad_left(theirs.values, length)], dim=0)
+            for states, their_states in _states(mine, theirs):
+                for index, state in states.items():
+                    theirs_state = their_states[index]
+                    if state is not None and theirs_state is not None:
+                        states[index] = torch.cat([state, theirs_state], dim=0)
         self.mask = torch.cat([_pad_left(self.mask, length), _pad_left(other.mask, length)], dim=0)
         self._room.clear()  # the layers hold new tensors: the old room is let go now, not at the next append
 
@@ -135,10 +151,33 @@ class BatchCache:
         self.mask = self.mask.index_select(0, index)
         shared_padding = int((self.mask.shape[1] - self.mask.sum(dim=1)).min()) if rows else 0
         self.mask = self.mask[:, shared_padding:]
-        for layer in _layers(self.cache):
-            layer.keys = layer.keys.index_select(0, index)[:, :, shared_padding:]
-            layer.values = layer.values.index_select(0, index)[:, :, shared_padding:]
+        for layer in _any_layers(self.cache):
+            if _holds_kv(layer):
+                layer.keys = layer.keys.index_select(0, index)[:, :, shared_padding:]
+                layer.values = layer.values.index_select(0, index)[:, :, shared_padding:]
+            for (states,) in _states(layer):
+                for state_index, state in states.items():
+                    if state is not None:
+                        states[state_index] = state.index_select(0, index)
         self._room.clear()
+
+
+def _holds_kv(layer: Any) -> bool:
+    """An attention layer (or a hybrid layer's attention part) holding keys and values."""
+    return isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.numel() > 0
+
+
+def _states(*layers: Any) -> list[tuple[dict[int, torch.Tensor | None], ...]]:
+    """The recurrent layers' state dicts (conv and recurrent states by index, each [rows, ...]) of `layers`, side by
+    side; none for an attention layer."""
+    if not isinstance(layers[0], LinearAttentionCacheLayerMixin):
+        return []
+    return [tuple(getattr(layer, name) for layer in layers) for name in ("conv_states", "recurrent_states")]
+
+
+def _any_layers(cache: DynamicCache) -> list[Any]:
+    """The cache's layers of every kind (attention, recurrent, hybrid, placeholders)."""
+    return list(cache.layers)
 
 
 def _layers(cache: DynamicCache) -> list[_FilledLayer]:

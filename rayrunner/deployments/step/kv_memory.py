@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from rayrunner.deployments.step.kv_batch import new_cache
 from rayrunner.deployments.step.prefix_cache import PrefixCache
 
 CPU_DEFAULT_BYTES = 1 << 30
@@ -33,21 +34,22 @@ class KvMemory:
         self.limit = limit if limit is not None else default_limit(device)
         self.prefix = PrefixCache() if prefix_caching else None
         self.position_bytes = 0  # one position of one row, over every layer (`probe`)
+        self.row_bytes = 0  # one row's recurrent states, whatever its length (hybrid models)
         self.held = 0  # bytes held after the last step, measured
         self.peak = 0  # most bytes held after any step, measured
         self.preemptions = 0
 
     def probe(self, model: Any) -> None:
-        """Learn the bytes of one cached position from a one-token forward pass (any architecture, any dtype)."""
+        """Learn the bytes of one cached position, and of a row's recurrent states, from forward passes of one and
+        of two tokens (any architecture, any dtype)."""
         if self.position_bytes:
             return
-        cache = DynamicCache()
-        with torch.inference_mode():
-            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=model.device), cache=cache, use_cache=True)
-        self.position_bytes = max(cache_bytes(cache), 1)
+        one, two = (_cache_after(model, tokens) for tokens in (1, 2))
+        self.position_bytes = max(two - one, 1)
+        self.row_bytes = max(one - self.position_bytes, 0)
 
     def bytes_of(self, rows: int, positions: int) -> int:
-        return rows * positions * self.position_bytes
+        return rows * (positions * self.position_bytes + self.row_bytes)
 
     def within(self, needed: int) -> bool:
         """Whether `needed` bytes (besides the prefix cache) fit the budget once the prefix cache gives way."""
@@ -76,11 +78,20 @@ def default_limit(device: torch.device) -> int:
     return CPU_DEFAULT_BYTES
 
 
+def _cache_after(model: Any, tokens: int) -> int:
+    cache = new_cache(model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.zeros((1, tokens), dtype=torch.long, device=model.device), cache=cache, use_cache=True)
+    return cache_bytes(cache)
+
+
 def cache_bytes(cache: DynamicCache) -> int:
-    """Bytes the storages behind `cache`'s keys and values hold (reserved room included, each storage once)."""
+    """Bytes the storages behind `cache`'s keys, values and recurrent states hold (reserved room included, each
+    storage once)."""
     storages: dict[int, int] = {}
     for layer in cache.layers:
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+        states = [*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None), *states):
             if isinstance(tensor, torch.Tensor) and tensor.numel():
                 storage = tensor.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()

@@ -38,7 +38,7 @@ from rayrunner.deployments.step.admission import Admission
 from rayrunner.deployments.step.compute_thread import ComputeThread
 from rayrunner.deployments.step.detokenizer import Detokenizer
 from rayrunner.deployments.step.fast_decode import FastDecode
-from rayrunner.deployments.step.kv_batch import BatchCache, mergeable, new_cache
+from rayrunner.deployments.step.kv_batch import BatchCache, mergeable, new_cache, recurrent
 from rayrunner.deployments.step.kv_memory import KvMemory
 from rayrunner.deployments.step.kv_moves import KvMoves
 from rayrunner.deployments.step.lora import LoraAdapters
@@ -83,12 +83,14 @@ class StepScheduler(KvMoves):
         self.device = model.device
         self.vocab_size = _logits_width(model)
         self.limits = limits
-        self.admission = Admission(limits.prefill_chunk_tokens, adapters.max_adapters if adapters else None)
         shared = mergeable(model.config)
         self.max_running = limits.max_num_seqs if shared else 1
         if not shared:
             logger.warning("this model's KV cache cannot be shared by several sequences: one runs at a time")
-        self.memory = KvMemory(limits.kv_cache_bytes, self.device, limits.prefix_caching and shared)
+        states = recurrent(model.config)
+        self.admission = Admission(limits.prefill_chunk_tokens, adapters.max_adapters if adapters else None,
+                                   one_per_pass=states)
+        self.memory = KvMemory(limits.kv_cache_bytes, self.device, limits.prefix_caching and shared and not states)
         self._found: dict[int, list[LayerKV]] = {}  # by id(sequence): cached blocks its prompt starts with
         self._cond = threading.Condition()
         self._waiting: collections.deque[Sequence] = collections.deque()
