@@ -199,9 +199,11 @@ def _engine_args(spec: ModelSpec, model: str, tokenizer: str, device: str) -> As
     settings, options = spec.engine, spec.engine.vllm
     args: dict[str, Any] = {
         "model": model, "tokenizer": tokenizer, "dtype": _DTYPES[spec.which.dtype],
-        "max_num_seqs": settings.max_num_seqs, "kv_cache_memory_bytes": options.kv_cache_bytes,
+        "max_num_seqs": settings.max_num_seqs,
+        "kv_cache_memory_bytes": settings.kv_cache_bytes or options.kv_cache_bytes,
         "enforce_eager": not options.compile, "structured_outputs_config": {"backend": "guidance"},
         "enable_sleep_mode": device == "cuda", "disable_log_stats": True,
+        "enable_prefix_caching": settings.prefix_caching,
     }
     if settings.max_seq_len is not None:
         args["max_model_len"] = settings.max_seq_len

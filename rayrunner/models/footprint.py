@@ -96,10 +96,10 @@ def _safetensors_numel(path: Path) -> int:
 
 
 def _kv_reserve(spec: ModelSpec, folder: Path) -> int:
+    if spec.engine.kv_cache_bytes is not None:
+        return spec.engine.kv_cache_bytes  # the most the engine's caches hold (vLLM reserves it at start)
     if spec.engine.backend == "vllm":
         return spec.engine.vllm.kv_cache_bytes  # what vLLM reserves at start, used or not
-    if spec.engine.kv_cache_bytes is not None:
-        return spec.engine.kv_cache_bytes  # the most the engine's caches hold
     config_path = folder / "config.json"
     if not config_path.exists():
         return 0

@@ -83,11 +83,12 @@ class EngineSettings(Replicas):
         None, ge=1, description="Bytes one replica's KV caches may hold (running sequences, prompts being "
         "prefilled, reused prefixes): admission waits for room, the newest sequences are preempted (recomputed "
         "later) rather than run out. Counted by capacity when set. Default: half the GPU memory free once the "
-        "weights are loaded; 1 GiB on CPU. The vllm backend has its own (`vllm.kv_cache_bytes`)."
+        "weights are loaded; 1 GiB on CPU. The vllm backend reserves it at start (unset: `vllm.kv_cache_bytes`)."
     )
     prefix_caching: bool = Field(
         True, description="Reuse the KV of a prompt's start already computed (a chat's earlier turns, a shared "
-        "system prompt) instead of prefilling it again; usage reports `prompt_tokens_details.cached_tokens`."
+        "system prompt) instead of prefilling it again; usage reports `prompt_tokens_details.cached_tokens` (the vllm "
+        "backend: vLLM's `enable_prefix_caching`)."
     )
     cache_quantized: bool = Field(
         True, description="Keep the model, once quantized in situ, in a local file that later loads read instead of "
