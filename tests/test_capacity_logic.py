@@ -116,6 +116,9 @@ def test_byte_estimate_reads_the_safetensors_header(tmp_path: Path) -> None:
     assert estimate_bytes(build_spec("m", {"type": "plain", "model_id": str(tmp_path)}, "Q4K")) == weights // 2 + kv
     assert estimate_bytes(build_spec("m", {"type": "plain", "model_id": str(tmp_path)}), 5000) == 5000 + kv
     assert estimate_bytes(build_spec("m", {"type": "plain", "model_id": "nobody/nothing"})) == 0
+    budgeted = build_spec("m", {"type": "plain", "model_id": str(tmp_path)})
+    budgeted.engine.kv_cache_bytes = 10_000_000
+    assert estimate_bytes(budgeted) == weights * 2 + 10_000_000  # the KV budget, not one sequence's reserve
 
 
 def test_python_entries_carry_pinned_and_keep_alive() -> None:
