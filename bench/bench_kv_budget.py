@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import re
 import threading
 import time
@@ -30,9 +31,20 @@ MODEL = "smollm2"
 POSITION_BYTES = 30 * 2 * 3 * 64 * 2  # SmolLM2: layers x (keys, values) x KV heads x head size x bf16
 
 
+WORDS = ["river", "stone", "lantern", "harbor", "meadow", "candle", "thunder", "orchard", "violin", "glacier",
+         "compass", "ember", "falcon", "willow", "copper", "saddle", "prism", "tundra", "beacon", "quiver"]
+
+
 def prompt(index: int, tokens: int) -> str:
-    """About `tokens` tokens of distinct text (SmolLM2's tokenizer takes a number and a space as ~2 tokens)."""
-    return f"Request {index}: " + " ".join(str(1000 * index + i) for i in range(tokens // 2))
+    """`tokens` tokens of distinct text by SmolLM2's tokenizer (seeded by `index`)."""
+    from transformers import AutoTokenizer
+
+    from rayrunner.models.sources import SMOLLM2, resolve
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve(SMOLLM2).path)
+    rng = random.Random(index)
+    text = f"Request {index}:" + "".join(f" {rng.choice(WORDS)}" for _ in range(tokens))
+    return str(tokenizer.decode(tokenizer(text)["input_ids"][:tokens]))
 
 
 async def complete(client: httpx.AsyncClient, text: str, max_tokens: int) -> dict[str, Any]:

@@ -99,7 +99,7 @@ def test_a_sequence_alone_that_outgrows_the_budget_ends_with_length(model: Any, 
                                                                     loop: asyncio.AbstractEventLoop) -> None:
     budget = 200 * _position_bytes(model)
     (sequence,), _, peak = _run(model, tokenizer, loop, _prompts(1, 100), 400, kv_cache_bytes=budget)
-    assert sequence.finished and not sequence.failed and 50 < len(sequence.output_ids) < 100  # room grows by 1/8
+    assert sequence.finished and not sequence.failed and 95 <= len(sequence.output_ids) <= 101  # up to the budget
     assert peak <= budget
 
 

@@ -77,6 +77,7 @@ class BatchCache:
         self.cache = cache
         self.mask = mask  # [rows, length]: 1 for a real token, 0 for left padding
         self._room: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by layer: reserved keys and values
+        self.max_positions: int | None = None  # most positions per row room may take (the KV budget's; None: any)
 
     @property
     def rows(self) -> int:
@@ -94,7 +95,15 @@ class BatchCache:
         if room is not None and layers and room[0].data_ptr() == layers[0].keys.data_ptr() \
                 and room[0].shape[2] > self.length:
             return None
-        return self.length + max(MIN_ROOM, self.length // 8)
+        return self._grown(self.length)
+
+    def _grown(self, length: int) -> int:
+        """Positions per row of the room the next reallocation makes: an eighth more (at least `MIN_ROOM`), but
+        within `max_positions` when the KV budget sets it (at least one more)."""
+        grown = length + max(MIN_ROOM, length // 8)
+        if self.max_positions is not None:
+            grown = max(length + 1, min(grown, self.max_positions))
+        return grown
 
     def row_kv(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of row `row`'s keys and values for its real tokens `start` to `end` (after its left padding),
@@ -124,7 +133,9 @@ class BatchCache:
         room = self._room.get(index)
         if room is None or room[0].shape[2] <= length or room[0].data_ptr() != layer.keys.data_ptr() \
                 or room[0].shape[:2] != layer.keys.shape[:2]:
-            room = self._room[index] = (_reserved(layer.keys, length), _reserved(layer.values, length))
+            capacity = self._grown(length)
+            room = self._room[index] = (_reserved(layer.keys, length, capacity),
+                                        _reserved(layer.values, length, capacity))
         room[0][:, :, length] = keys[:, :, 0]
         room[1][:, :, length] = values[:, :, 0]
         layer.keys, layer.values = room[0][:, :, : length + 1], room[1][:, :, : length + 1]
@@ -190,10 +201,10 @@ class _FilledLayer(Protocol):
     values: torch.Tensor
 
 
-def _reserved(cached: torch.Tensor, length: int) -> torch.Tensor:
+def _reserved(cached: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
     """A tensor holding `cached`'s first `length` positions with room for more behind them."""
     shape = list(cached.shape)
-    shape[2] = length + max(MIN_ROOM, length // 8)
+    shape[2] = capacity
     room = torch.zeros(shape, dtype=cached.dtype, device=cached.device)
     room[:, :, :length] = cached
     return room

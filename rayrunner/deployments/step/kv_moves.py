@@ -99,15 +99,17 @@ class KvMoves:
         return self.memory.bytes_of(self._batch.rows + cache.rows, max(self._batch.length, cache.length))
 
     def _bytes_after_step(self) -> int:
-        """What the batch and a prompt being chunked will hold after the next decode step."""
+        """What the batch and a prompt being chunked will hold after the next decode step (the batch's new room
+        kept within what the budget leaves it)."""
         chunking = self._chunking
         held = self.memory.bytes_of(1, len(chunking[0].prefill_ids) + MIN_ROOM) if chunking else 0
-        if self._batch is None:
+        batch = self._batch
+        if batch is None:
             return held
-        positions = self._batch.positions_after_step()
-        batch = cache_bytes(self._batch.cache) if positions is None else self.memory.bytes_of(self._batch.rows,
-                                                                                               positions)
-        return held + batch
+        per_row = (self.memory.limit - held) // batch.rows - self.memory.row_bytes
+        batch.max_positions = max(per_row // max(self.memory.position_bytes, 1), 0)
+        positions = batch.positions_after_step()
+        return held + (cache_bytes(batch.cache) if positions is None else self.memory.bytes_of(batch.rows, positions))
 
     def _make_room(self, needed: Callable[[], int], finish_alone: bool = False) -> None:
         """Make room in the KV budget for `needed()` bytes: the prefix cache gives way, then the newest sequences
