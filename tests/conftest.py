@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
@@ -143,3 +144,21 @@ def model_entry(model_id: str, source: str, load: bool = True, aliases: list[str
 @pytest.fixture
 def state_path(cluster: dict[str, Any], request: pytest.FixtureRequest) -> str:
     return str(Path(cluster["state_dir"]) / f"{request.node.name}.json")
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """An event loop for sequences driven by hand through a `StepScheduler` (their events are handed to it)."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    """The builtin SmolLM2's tokenizer (the tiny test models share it)."""
+    from transformers import AutoTokenizer
+
+    from rayrunner.models.sources import SMOLLM2, resolve
+
+    return AutoTokenizer.from_pretrained(resolve(SMOLLM2).path)

@@ -5,12 +5,11 @@ is refused."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from rayrunner.deployments.sampling_params import SamplingParams
 from rayrunner.deployments.step.detokenizer import Detokenizer
@@ -21,20 +20,8 @@ from tests.families.tiny_families import build
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def model(tiny_llama_dir: str) -> Any:
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir: str) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_llama_dir)
 
 
 def _position_bytes(model: Any) -> int:

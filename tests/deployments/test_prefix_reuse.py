@@ -5,12 +5,11 @@ budget; and `PrefixCache` alone: longest prefix, adapters apart, least recently 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from rayrunner.deployments.sampling_params import SamplingParams
 from rayrunner.deployments.step.detokenizer import Detokenizer
@@ -18,18 +17,6 @@ from rayrunner.deployments.step.prefix_cache import BLOCK, PrefixCache
 from rayrunner.deployments.step.scheduler import SchedulerLimits, StepScheduler
 from rayrunner.deployments.step.sequence import Sequence
 from tests.families.tiny_families import build
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir: str) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_llama_dir)
 
 
 def _reply(scheduler: StepScheduler, tokenizer: Any, loop: asyncio.AbstractEventLoop, prompt: list[int],

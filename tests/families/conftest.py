@@ -1,5 +1,5 @@
-"""Fixtures shared by the family tests: one event loop and the SmolLM2 tokenizer per module, and `one_thread` for
-modules of tiny attention models (`pytestmark = pytest.mark.usefixtures("one_thread")`).
+"""Fixtures of the family tests (`loop` and `tokenizer` are the suite's): `one_thread` for modules of tiny attention
+models (`pytestmark = pytest.mark.usefixtures("one_thread")`).
 
 A tiny attention model's operations are microseconds long: a second thread saves nothing, and while other work keeps
 the CPU's cores busy two threads spin against each other (a tiny Llama's `generate` took 0.8 s against 0.012 s on one
@@ -8,14 +8,10 @@ not for every module."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import pytest
 import torch
-from transformers import AutoTokenizer
-
-from rayrunner.models.sources import SMOLLM2, resolve
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +20,3 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> object:
-    return AutoTokenizer.from_pretrained(resolve(SMOLLM2).path)

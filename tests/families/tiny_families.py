@@ -46,16 +46,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 LINEAR: dict[str, Any] = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                               linear_value_head_dim=16)
+MAMBA2: dict[str, Any] = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16,
+                              mamba_n_groups=1)  # small scans: the reference Mamba 2 pads to a chunk
 # hybrids of attention and recurrent layers (states per row): prompts prefilled alone, decoded together
 HYBRID_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "Qwen3-Next (gated delta net + attention, MoE)": ("qwen3_next", {**LINEAR, **MOE, "full_attention_interval": 2,
                                                                        "shared_expert_intermediate_size": 32}),
     "Qwen3.5 (gated delta net + attention)": ("qwen3_5_text", {**LINEAR, "full_attention_interval": 2}),
     "LFM2 (short convolutions + attention)": ("lfm2", {"full_attn_idxs": [1, 3]}),
-    "Falcon-H1 (Mamba 2 beside attention)": ("falcon_h1", {}),
-    "Granite 4 hybrid (Mamba 2 + attention)": ("granitemoehybrid",
-                                               {"layer_types": ["mamba", "attention", "mamba", "attention"]}),
-    "Bamba (Mamba 2 + attention)": ("bamba", {"attn_layer_indices": [1, 3]}),
+    "Falcon-H1 (Mamba 2 beside attention)": ("falcon_h1", {**MAMBA2, "mamba_d_ssm": 128}),
+    "Granite 4 hybrid (Mamba 2 + attention)": ("granitemoehybrid", {
+        **MAMBA2, "layer_types": ["mamba", "attention", "mamba", "attention"]}),
+    "Bamba (Mamba 2 + attention)": ("bamba", {**MAMBA2, "attn_layer_indices": [1, 3]}),
     "Jamba (Mamba + attention, MoE)": ("jamba", {"attn_layer_period": 2, "attn_layer_offset": 1,
                                                  "num_experts": 4, "expert_layer_period": 2}),
     "Nemotron-H (Mamba 2 + attention)": ("nemotron_h", {}),
