@@ -44,11 +44,33 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage],
         _add_to_system(conversation, system_note)
     tool_dicts: list[Any] | None = (_tool_dicts(offered) or None) if native else None
     try:
-        text = tokenizer.apply_chat_template(conversation, tools=tool_dicts, chat_template=template,
-                                             add_generation_prompt=True, tokenize=False)
+        return _apply(tokenizer, conversation, tool_dicts, template)
     except Exception as exc:
-        raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from None
-    return str(text)
+        merged = _system_in_first_user_turn(conversation)
+        if merged is None:
+            raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from None
+        try:  # templates that refuse a system turn (Gemma, Gemma 2): its text opens the first user turn
+            return _apply(tokenizer, merged, tool_dicts, template)
+        except Exception:
+            raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from None
+
+
+def _apply(tokenizer: PreTrainedTokenizerBase, conversation: list[Message], tools: list[Any] | None,
+           template: str) -> str:
+    return str(tokenizer.apply_chat_template(conversation, tools=tools, chat_template=template,
+                                             add_generation_prompt=True, tokenize=False))
+
+
+def _system_in_first_user_turn(conversation: list[Message]) -> list[Message] | None:
+    """The conversation with its system message's text put at the start of the first user message (None: it has no
+    system message followed by a user one)."""
+    if len(conversation) < 2 or conversation[0]["role"] != "system" or conversation[1]["role"] != "user":
+        return None
+    system, user = conversation[0]["content"], conversation[1]["content"]
+    if not isinstance(system, str):
+        return None
+    content: Any = f"{system}\n\n{user}" if isinstance(user, str) else [{"type": "text", "text": system}, *user]
+    return [{**conversation[1], "content": content}, *conversation[2:]]
 
 
 def _tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]]:

@@ -88,7 +88,7 @@ CASES: dict[str, Case] = {
     "EXAONE 4 (sliding + full)": Case(HERMES, HERMES_CALL, True),
     "StableLM": Case(PLAIN, HERMES_CALL, True),
 }
-# Families whose templates refuse the system message rayrunner describes the tools in (see the xfail below)
+# Families whose templates refuse the system message rayrunner describes the tools in (it opens the user turn)
 REFUSE_SYSTEM = {family for family, case in CASES.items() if case.template == NO_SYSTEM}
 FORMATS = {LLAMA3: ToolFormat.LLAMA, MISTRAL: ToolFormat.MISTRAL, COHERE: ToolFormat.LLAMA}
 
@@ -132,13 +132,16 @@ def test_a_template_without_tools_gets_rayrunners_hermes_prompt(family: str, smo
     assert "<tool_call>" in prompt and '"get_weather"' in prompt and prompt.index("system") < prompt.index("Weather")
 
 
-@pytest.mark.xfail(strict=True, raises=InvalidRequestError,
-                   reason="rayrunner describes tools in a system message, which Gemma's and Gemma 2's templates "
-                          "refuse ('System role not supported'); see docs/architectures.md")
 @pytest.mark.parametrize("family", sorted(REFUSE_SYSTEM))
 def test_a_template_that_refuses_a_system_turn_still_gets_the_tools(family: str, smol: Any) -> None:
-    prompt = render_chat(smol, [ChatMessage(role="user", content="Weather in Paris?")], [TOOL], CASES[family].template)
+    """Gemma's and Gemma 2's templates refuse a system turn: the tools' description (and a user's own system message)
+    opens the first user turn instead."""
+    messages = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Weather in Paris?")]
+    prompt = render_chat(smol, messages, [TOOL], CASES[family].template)
     assert "<tool_call>" in prompt and '"get_weather"' in prompt
+    assert prompt.index("Be brief.") < prompt.index("get_weather") < prompt.index("Weather in Paris?")
+    with pytest.raises(InvalidRequestError):  # no user turn to open: still the template's 400
+        render_chat(smol, [ChatMessage(role="system", content="Be brief.")], None, CASES[family].template)
 
 
 def test_mistrals_name_args_form_is_not_read() -> None:
