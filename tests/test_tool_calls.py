@@ -24,6 +24,7 @@ from rayrunner.errors import InvalidRequestError
 from rayrunner.protocol import NamedToolChoice, Tool, ToolCallDelta
 
 H, L, M = ToolFormat.HERMES, ToolFormat.LLAMA, ToolFormat.MISTRAL
+G, C = ToolFormat.GRANITE, ToolFormat.COHERE
 WEATHER = {"city": "Paris", "unit": "c"}
 
 # (format, output, content, [(name, arguments)])
@@ -51,6 +52,11 @@ CASES: list[tuple[ToolFormat, str, str | None, list[tuple[str, dict[str, Any]]]]
     (M, 'Sure. [TOOL_CALLS] [{"name": "f", "arguments": {"q": "[TOOL_CALLS]"}}]', "Sure.",
      [("f", {"q": "[TOOL_CALLS]"})]),
     (M, "[TOOL_ maybe [TOOL", "[TOOL_ maybe [TOOL", []),
+    (G, 'Checking.<|tool_call|>[{"name": "weather", "arguments": {"city": "Paris", "unit": "c"}}]', "Checking.",
+     [("weather", WEATHER)]),
+    (C, 'I will look it up.\n<|START_ACTION|>[\n  {"tool_call_id": "0", "tool_name": "weather", "parameters": '
+        '{"city": "Paris", "unit": "c"}},\n  {"tool_call_id": "1", "tool_name": "g", "parameters": {}}\n]'
+        "<|END_ACTION|>", "I will look it up.", [("weather", WEATHER), ("g", {})]),
 ]
 
 MALFORMED = [
@@ -65,8 +71,11 @@ MALFORMED = [
     (M, '[TOOL_CALLS]{"name": "f", "arguments": {}}'),  # not an array
     (M, "[TOOL_CALLS][]"),
     (M, '[TOOL_CALLS][{"name": "f", "arguments": {}}, 3]'),
+    (G, '<|tool_call|>{"name": "f", "arguments": {}}'),  # not an array
+    (C, '<|START_ACTION|>[{"tool_call_id": "0", "parameters": {}}]<|END_ACTION|>'),  # no tool_name
 ]
-MARKERS = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]"]
+MARKERS = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "<|tool_call|>", "<|START_ACTION|>",
+           "<|END_ACTION|>"]
 
 
 def calls_of(calls: list[ParsedCall]) -> list[tuple[str, dict[str, Any]]]:

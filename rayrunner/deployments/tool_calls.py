@@ -3,9 +3,10 @@ JSON Schema that constrains a forced call (`tool_choice` `required` or a named f
 
 Formats: Hermes/Qwen (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call, or a JSON
 array of calls in one block as SmolLM2 writes them), Llama 3.x JSON (`{"name": ..., "parameters": {...}}` at the
-start of the answer or after a call, or after `<|python_tag|>`) and Mistral (`[TOOL_CALLS][{"name": ...,
-"arguments": {...}}, ...]`). Text that looks like a call but is not a valid one stays content. Whitespace (and
-Llama's `;`) touching a call is dropped. Pure Python: no torch, no transformers.
+start of the answer or after a call, or after `<|python_tag|>`), Mistral (`[TOOL_CALLS][{"name": ..., "arguments":
+{...}}, ...]`), Granite (`<|tool_call|>[{"name": ..., "arguments": {...}}]`) and Cohere (`<|START_ACTION|>[{
+"tool_name": ..., "parameters": {...}}]<|END_ACTION|>`). Text that looks like a call but is not a valid one stays
+content. Whitespace (and Llama's `;`) touching a call is dropped. Pure Python: no torch, no transformers.
 """
 
 from __future__ import annotations
@@ -27,12 +28,18 @@ class ToolFormat(Enum):
     HERMES = "hermes"
     LLAMA = "llama"
     MISTRAL = "mistral"
+    GRANITE = "granite"
+    COHERE = "cohere"
 
 
 def tool_format(chat_template: str | None) -> ToolFormat:
     """The call format a chat template teaches its model; Hermes for templates without tool support (the prompt
     rayrunner writes for those asks for Hermes blocks)."""
     template = chat_template or ""
+    if "<|START_ACTION|>" in template:  # before Llama's test: Cohere's template also names "parameters"
+        return ToolFormat.COHERE
+    if "<|tool_call|>" in template:
+        return ToolFormat.GRANITE
     if "[TOOL_CALLS]" in template:
         return ToolFormat.MISTRAL
     if "<tool_call>" in template:
@@ -67,7 +74,10 @@ Piece = str | ToolCallDelta  # content text, or a tool call
 
 
 def _call(item: Any) -> ParsedCall | None:
-    """A call from a decoded JSON value, or None when it is not `{"name": str, "arguments"|"parameters": {...}}`."""
+    """A call from a decoded JSON value, or None when it is not `{"name": str, "arguments"|"parameters": {...}}`
+    (Cohere names it `tool_name`)."""
+    if isinstance(item, dict) and "name" not in item and "tool_name" in item:
+        item = {**item, "name": item["tool_name"]}
     if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
         return None
     args = item.get("arguments", item.get("parameters", {}))
@@ -128,9 +138,12 @@ class _JsonEnd:
 
 
 _OPENERS = {ToolFormat.HERMES: ("<tool_call>",), ToolFormat.LLAMA: ("<|python_tag|>",),
-            ToolFormat.MISTRAL: ("[TOOL_CALLS]",)}
-_CLOSER = {ToolFormat.HERMES: "</tool_call>", ToolFormat.LLAMA: "", ToolFormat.MISTRAL: ""}
-_BODY = {ToolFormat.HERMES: "{[", ToolFormat.LLAMA: "{", ToolFormat.MISTRAL: "["}  # what a call's JSON opens with
+            ToolFormat.MISTRAL: ("[TOOL_CALLS]",), ToolFormat.GRANITE: ("<|tool_call|>",),
+            ToolFormat.COHERE: ("<|START_ACTION|>",)}
+_CLOSER = {ToolFormat.HERMES: "</tool_call>", ToolFormat.LLAMA: "", ToolFormat.MISTRAL: "", ToolFormat.GRANITE: "",
+           ToolFormat.COHERE: "<|END_ACTION|>"}
+_BODY = {ToolFormat.HERMES: "{[", ToolFormat.LLAMA: "{", ToolFormat.MISTRAL: "[", ToolFormat.GRANITE: "[",
+         ToolFormat.COHERE: "["}  # what a call's JSON opens with
 _PENDING = None  # a call's verdict needs more text
 _Verdict = tuple[list[ParsedCall] | None, int] | None  # (calls, or None when malformed; text consumed) | pending
 

@@ -19,7 +19,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rayrunner.deployments.chat_prompt import render_chat, supports_tools
-from rayrunner.deployments.tool_calls import ToolFormat, parse_tool_calls, tool_format
+from rayrunner.deployments.tool_calls import ToolFormat, markers, parse_tool_calls, tool_format
 from rayrunner.errors import InvalidRequestError
 from rayrunner.models.sources import SMOLLM2, resolve
 from rayrunner.protocol import ChatMessage, Tool
@@ -79,8 +79,8 @@ CASES: dict[str, Case] = {
         False),
     "Cohere2 (sliding + full)": Case(
         COHERE, '<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": '
-                '{"city": "Paris"}}\n]<|END_ACTION|>', False),  # Command R7B
-    "Granite": Case(GRANITE, '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]', False),
+                '{"city": "Paris"}}\n]<|END_ACTION|>', True),  # Command R7B
+    "Granite": Case(GRANITE, '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]', True),
     "SmolLM3": Case(HERMES, HERMES_CALL, True),
     "OLMo 2": Case(PLAIN, HERMES_CALL, True),
     "OLMo 3 (sliding + full)": Case(OLMO3, '<function_calls>get_weather(city="Paris")</function_calls>', False),
@@ -90,7 +90,8 @@ CASES: dict[str, Case] = {
 }
 # Families whose templates refuse the system message rayrunner describes the tools in (it opens the user turn)
 REFUSE_SYSTEM = {family for family, case in CASES.items() if case.template == NO_SYSTEM}
-FORMATS = {LLAMA3: ToolFormat.LLAMA, MISTRAL: ToolFormat.MISTRAL, COHERE: ToolFormat.LLAMA}
+FORMATS = {LLAMA3: ToolFormat.LLAMA, MISTRAL: ToolFormat.MISTRAL, COHERE: ToolFormat.COHERE,
+           GRANITE: ToolFormat.GRANITE}
 
 
 def test_every_family_has_a_case() -> None:
@@ -107,7 +108,7 @@ def test_the_familys_tool_calls_are_read_in_the_format_its_template_picks(family
     case = CASES[family]
     fmt = tool_format(case.template)
     assert fmt is FORMATS.get(case.template, ToolFormat.HERMES)
-    for text in {case.output, _without_special_tokens(case.output)}:  # as streamed, markers kept or not
+    for text in {case.output, _without_special_tokens(case.output, markers(fmt))}:  # as streamed
         content, calls = parse_tool_calls(text, fmt)
         if case.parsed:
             assert [(call.name, json.loads(call.arguments)) for call in calls] == [("get_weather", CITY)]
@@ -116,12 +117,12 @@ def test_the_familys_tool_calls_are_read_in_the_format_its_template_picks(family
             assert calls == [] and content is not None and "get_weather" in content
 
 
-def _without_special_tokens(text: str) -> str:
-    """`text` as a detokenizer that drops special tokens writes it (markers in `<|...|>` or `[...]` form dropped, the
-    ones rayrunner parses kept: the engine keeps those)."""
+def _without_special_tokens(text: str, kept: tuple[str, ...]) -> str:
+    """`text` as a detokenizer that drops special tokens writes it (markers in `<|...|>` form dropped, the `kept` ones
+    that the format's parser reads excepted: the engine keeps those)."""
     for token in ("<|START_ACTION|>", "<|END_ACTION|>", "<|tool_call|>", "<|channel|>", "<|constrain|>",
                   "<|message|>", "<|call|>"):
-        text = text.replace(token, "")
+        text = text if token in kept else text.replace(token, "")
     return text
 
 
