@@ -6,7 +6,8 @@ so one key names a whole prefix. A sequence leaves the keys and values of its fu
 and when it leaves the batch (copies: the batch's rows come and go); a new sequence takes the longest run of blocks
 its prompt starts with and prefills only the rest (the last token always: its logits give the first token). Exact:
 a reused position holds what prefilling it would compute (same tokens before it, same position), so greedy replies
-are the same with and without reuse. The least recently used blocks are dropped first when the KV budget needs room;
+are the same with and without reuse in float32 (in bf16, computed in a pass of another shape, it can differ in the
+last bit, which can move a reply at a near-tie, as batching can). The least recently used blocks are dropped first when the KV budget needs room;
 a lookup touches a prefix's blocks from its last to its first, so a prefix is dropped from its end.
 
 Only plain attention caches (`kv_batch.mergeable`), and only text: an image's placeholder tokens do not name the
