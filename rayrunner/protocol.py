@@ -148,6 +148,8 @@ class SamplingFields(_Lenient):
     keep_alive: KeepAliveField = None
     user: str | None = Field(None, description="OpenAI: the end user; a model with `routing: prefix` keeps a user's "
                              "requests on one replica.")
+    cache_salt: str | None = Field(None, min_length=1, description="vLLM: prefix-cache blocks are reused only "
+                                   "between requests with the same salt (tenants' prompts stay apart).")
 
     @field_validator("model", mode="before")
     @classmethod

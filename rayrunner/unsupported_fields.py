@@ -3,7 +3,7 @@ OpenAI bodies that would change the answer but are not implemented.
 
 A client that sets one of them gets a 400 naming the field rather than an answer that silently ignores what it
 asked for. vLLM fields that change nothing here stay accepted and ignored, like any unknown field: `priority`,
-`request_id`, `session_id`, `cache_salt`, `kv_transfer_params`, `vllm_xargs`, `stream_interval` (how many tokens a
+`request_id`, `session_id`, `kv_transfer_params`, `vllm_xargs`, `stream_interval` (how many tokens a
 streamed chunk holds, not what they say), `length_penalty` (beam search only), `truncation_side` (with
 `truncate_prompt_tokens` only), `guided_decoding_backend` and `guided_whitespace_pattern` (with a `guided_*` field
 only) and `spaces_between_special_tokens` (vLLM's detokenizer for fast tokenizers ignores it too). Pure pydantic.

@@ -44,6 +44,7 @@ class SamplingParams:
     ignore_eos: bool = False  # the model's EOS ids do not end the reply (the scheduler gives the sequence none)
     include_stop_str_in_output: bool = False  # the stop string or stop token that ended the reply stays in its text
     skip_special_tokens: bool = True
+    cache_salt: str | None = None  # prefix-cache blocks are shared only with requests of the same salt
     # Makes a fresh processor per sequence that masks the tokens a grammar forbids (structured output, tool calls).
     constraint: Callable[[], LogitsProcessor] | None = None
 
@@ -76,6 +77,7 @@ def sampling_params(request: SamplingFields, settings: EngineSettings) -> Sampli
         ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
+        cache_salt=request.cache_salt,
         **_logprob_settings(request),
     )
 

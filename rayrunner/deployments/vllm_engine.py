@@ -128,7 +128,10 @@ class VllmEngine(ChatTokens, Engine):
         params.max_tokens = bounded_max_tokens(len(ids), params.max_tokens, self.max_seq_len)
         lora = self._lora(adapter or self.default_adapter)
         sampling = _vllm_sampling(params, target, keep_specials, self.vocab_size)
-        return self._events(ids, sampling, lora)
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        if params.cache_salt is not None:
+            prompt["cache_salt"] = params.cache_salt
+        return self._events(prompt, sampling, lora)
 
     def _lora(self, adapter: str | None) -> LoRARequest | None:
         if adapter is None:
@@ -137,7 +140,7 @@ class VllmEngine(ChatTokens, Engine):
             raise InvalidRequestError(f"adapter `{adapter}` is not loaded on this model", param="adapter")
         return self.adapters[adapter]
 
-    async def _events(self, ids: list[int], sampling: VllmSamplingParams, lora: LoRARequest | None
+    async def _events(self, prompt: TokensPrompt, sampling: VllmSamplingParams, lora: LoRARequest | None
                       ) -> AsyncIterator[GenerationEvent]:
         if self.llm is None:
             raise ModelUnavailableError("the vLLM engine is asleep")  # the slot wakes it before any request
@@ -146,7 +149,7 @@ class VllmEngine(ChatTokens, Engine):
         counts: dict[int, int] = {}
         request_id = uuid.uuid4().hex
         try:
-            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=ids), sampling, request_id,
+            async for output in self.llm.generate(prompt, sampling, request_id,
                                                   lora_request=lora):
                 for choice in output.outputs:
                     now = time.perf_counter()
@@ -155,7 +158,8 @@ class VllmEngine(ChatTokens, Engine):
                     counts[choice.index] = counts.get(choice.index, 0) + len(choice.token_ids)
                     event = _event(choice, output if is_first else None, sampling.logprobs or 0)
                     if event.finish_reason is not None:
-                        event.prompt_tokens, event.completion_tokens = len(ids), counts[choice.index]
+                        event.prompt_tokens = len(prompt["prompt_token_ids"])
+                        event.completion_tokens = counts[choice.index]
                         event.cached_tokens = int(getattr(output, "num_cached_tokens", None) or 0)
                         event.prompt_time_s = first[choice.index] - started
                         event.completion_time_s = now - first[choice.index]

@@ -51,6 +51,25 @@ def test_a_shared_start_is_reused_and_replies_stay_exact(family: str, tiny_llama
     assert fresh.memory.prefix is None and reuse.memory.prefix is not None and reuse.memory.prefix.nbytes > 0
 
 
+def test_blocks_are_shared_only_within_a_cache_salt(tiny_llama_dir: str, tokenizer: Any,
+                                                    loop: asyncio.AbstractEventLoop) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    scheduler = StepScheduler(model, SchedulerLimits(prefill_chunk_tokens=64))
+
+    def salted(salt: str | None) -> Sequence:
+        sequence = Sequence(SYSTEM + [5, 6], SamplingParams(max_tokens=2, cache_salt=salt), Detokenizer(tokenizer, []),
+                            set(), loop)
+        scheduler.submit(sequence)
+        with torch.inference_mode():
+            while not sequence.done:
+                scheduler.step()
+        return sequence
+
+    assert salted("tenant-a").cached_tokens == 0
+    assert salted("tenant-b").cached_tokens == 0 and salted(None).cached_tokens == 0
+    assert salted("tenant-a").cached_tokens == len(SYSTEM) // BLOCK * BLOCK
+
+
 def test_the_next_turn_reuses_the_prompt_and_the_reply(tiny_llama_dir: str, tokenizer: Any,
                                                        loop: asyncio.AbstractEventLoop) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()

@@ -53,7 +53,7 @@ class KvMoves:
         if self.memory.prefix is None:
             return
         for sequence in list(self._waiting)[: max(self._free_slots(), 1)]:
-            blocks = self.memory.prefix.lookup(sequence.prefill_ids, sequence.adapter) if sequence.reusable else []
+            blocks = self.memory.prefix.lookup(sequence.prefill_ids, sequence.namespace) if sequence.reusable else []
             sequence.prefilled = len(blocks) * BLOCK
             if blocks:
                 self._found[id(sequence)] = blocks
@@ -156,5 +156,5 @@ class KvMoves:
             return
         ids = (sequence.prompt_ids + sequence.output_ids)[: int(cache.mask[row].sum())]
         held = self._bytes_after_step() + (cache_bytes(cache.cache) if cache is not self._batch else 0)
-        prefix.store(ids, sequence.adapter, lambda start, end: cache.row_kv(row, start, end),
+        prefix.store(ids, sequence.namespace, lambda start, end: cache.row_kv(row, start, end),
                      lambda nbytes: self.memory.make_room(held + nbytes))

@@ -1,14 +1,15 @@
 """Prefix reuse: the keys and values of prompt blocks already computed, found again by the tokens they hold.
 
 Block hashing, as vLLM's prefix caching: token ids are cut into blocks of `BLOCK`; a block's key names its tokens and
-its parent block's key (the first block's parent is the LoRA adapter's name: an adapter changes the keys and values),
-so one key names a whole prefix. A sequence leaves the keys and values of its full blocks here when its prefill ends
-and when it leaves the batch (copies: the batch's rows come and go); a new sequence takes the longest run of blocks
-its prompt starts with and prefills only the rest (the last token always: its logits give the first token). Exact:
-a reused position holds what prefilling it would compute (same tokens before it, same position), so greedy replies
-are the same with and without reuse in float32 (in bf16, computed in a pass of another shape, it can differ in the
-last bit, which can move a reply at a near-tie, as batching can). The least recently used blocks are dropped first when the KV budget needs room;
-a lookup touches a prefix's blocks from its last to its first, so a prefix is dropped from its end.
+its parent block's key (the first block's parent is the request's namespace: its LoRA adapter, which changes the
+keys and values, and its `cache_salt`), so one key names a whole prefix. A sequence leaves the keys and values of its
+full blocks here when its prefill ends and when it leaves the batch (copies: the batch's rows come and go); a new
+sequence takes the longest run of blocks its prompt starts with and prefills only the rest (the last token always:
+its logits give the first token). Exact: a reused position holds what prefilling it would compute (same tokens before
+it, same position), so greedy replies are the same with and without reuse in float32 (in bf16, computed in a pass of
+another shape, it can differ in the last bit, which can move a reply at a near-tie, as batching can). The least
+recently used blocks are dropped first when the KV budget needs room; a lookup touches a prefix's blocks from its last
+to its first, so a prefix is dropped from its end.
 
 Only plain attention caches (`kv_batch.mergeable`), and only text: an image's placeholder tokens do not name the
 image, and a prompt scored for logprobs needs every position's logits.
@@ -47,10 +48,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def lookup(self, ids: list[int], adapter: str | None) -> list[LayerKV]:
+    def lookup(self, ids: list[int], namespace: Hashable) -> list[LayerKV]:
         """The cached blocks `ids` starts with (most: all but its last token), first to last; touched as used."""
         found: list[tuple[Hashable, _Block]] = []
-        for key, parent, tokens in _keys(ids[:-1], adapter):
+        for key, parent, tokens in _keys(ids[:-1], namespace):
             block = self._blocks.get(key)
             if block is None or block.parent != parent or block.tokens != tokens:
                 break
@@ -58,13 +59,13 @@ class PrefixCache:
         self._touch([key for key, _ in found])
         return [block.kv for _, block in found]
 
-    def store(self, ids: list[int], adapter: str | None, kv_of: Callable[[int, int], LayerKV],
+    def store(self, ids: list[int], namespace: Hashable, kv_of: Callable[[int, int], LayerKV],
               room: Callable[[int], bool]) -> None:
         """Keep the full blocks of `ids` not yet cached; `kv_of(start, end)` copies those positions' keys and
         values, `room(nbytes)` makes room in the KV budget or says there is none (then the rest is not kept)."""
         kept: list[Hashable] = []
         self._pinned = set()
-        for index, (key, parent, tokens) in enumerate(_keys(ids, adapter)):
+        for index, (key, parent, tokens) in enumerate(_keys(ids, namespace)):
             block = self._blocks.get(key)
             if block is None or block.parent != parent or block.tokens != tokens:
                 kv = kv_of(index * BLOCK, (index + 1) * BLOCK)
@@ -115,9 +116,9 @@ def cache_of(blocks: list[LayerKV]) -> DynamicCache:
     return cache
 
 
-def _keys(ids: list[int], adapter: str | None) -> list[tuple[Hashable, Hashable, tuple[int, ...]]]:
+def _keys(ids: list[int], namespace: Hashable) -> list[tuple[Hashable, Hashable, tuple[int, ...]]]:
     """(key, parent key, tokens) of each full block of `ids`."""
-    parent: Hashable = ("adapter", adapter)
+    parent: Hashable = ("namespace", namespace)
     keys: list[tuple[Hashable, Hashable, tuple[int, ...]]] = []
     for start in range(0, len(ids) - BLOCK + 1, BLOCK):
         tokens = tuple(ids[start: start + BLOCK])

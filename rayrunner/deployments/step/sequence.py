@@ -90,6 +90,11 @@ class Sequence:
         return self.params.prompt_logprobs and not self.resumed
 
     @property
+    def namespace(self) -> tuple[str | None, str | None]:
+        """What its prefix-cache blocks are shared within: its LoRA adapter and its `cache_salt`."""
+        return self.adapter, self.params.cache_salt
+
+    @property
     def reusable(self) -> bool:
         """Its prompt may be taken from, and left in, the prefix cache: text only, not scored for logprobs."""
         return not self.extra_inputs and not self.params.prompt_logprobs

@@ -4,6 +4,7 @@ model) on a real cluster: logprobs, n, structured output, tool calls, tool resul
 from __future__ import annotations
 
 import json
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -61,7 +62,8 @@ def _plain_logprobs(*sequences: list[int]) -> list[torch.Tensor]:
 
 def test_greedy_logprobs_are_the_models(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, logprobs=True,
-                                           top_logprobs=3)
+                                           top_logprobs=3, extra_body={"cache_salt": uuid.uuid4().hex})
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0  # a salt of its own: nothing reused, a whole prefill
     entries = reply.choices[0].logprobs.content
     assert len(entries) == reply.usage.completion_tokens
     assert "".join(e.token for e in entries) == reply.choices[0].message.content
