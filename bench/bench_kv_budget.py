@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import re
 import threading
@@ -25,7 +24,7 @@ import time
 from typing import Any
 
 import httpx
-from rayrunner_service import rayrunner_service, smollm2_spec
+from rayrunner_service import rayrunner_service, smollm2_spec, stream_chunks
 
 MODEL = "smollm2"
 POSITION_BYTES = 30 * 2 * 3 * 64 * 2  # SmolLM2: layers x (keys, values) x KV heads x head size x bf16
@@ -51,20 +50,17 @@ async def complete(client: httpx.AsyncClient, text: str, max_tokens: int) -> dic
     body = {"model": MODEL, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     pieces, finish, usage = [], None, None
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            return {"status": response.status_code, "error": (await response.aread()).decode()}
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
+    try:
+        async for chunk in stream_chunks(client, "/v1/completions", body):
             if "error" in chunk:
-                return {"status": 200, "error": chunk["error"]}
+                return {"error": chunk["error"]}
             for choice in chunk.get("choices", []):
                 pieces.append(choice.get("text", ""))
                 finish = choice.get("finish_reason") or finish
             usage = chunk.get("usage") or usage
-    return {"status": 200, "text": "".join(pieces), "finish_reason": finish, "usage": usage}
+    except RuntimeError as exc:  # an HTTP status other than 200
+        return {"error": str(exc)}
+    return {"text": "".join(pieces), "finish_reason": finish, "usage": usage}
 
 
 def stats() -> dict[str, int]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import time
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from bench_scheduling import PROMPTS
-from rayrunner_service import BASE_ID, add_model, rayrunner_service, smollm2_spec
+from rayrunner_service import BASE_ID, add_model, rayrunner_service, smollm2_spec, stream_chunks
 
 COPIES = [smollm2_spec(f"{BASE_ID}-q8_0", "Q8_0"), smollm2_spec(f"{BASE_ID}-copy")]
 MODELS = [BASE_ID] + [spec["model_id"] for spec in COPIES]
@@ -52,17 +51,11 @@ async def chat(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
             "stream": True, "temperature": 0, "ignore_eos": True, "min_tokens": max_tokens,
             "stream_options": {"include_usage": True}}
     reply = Reply()
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{model}: HTTP {response.status_code}: {await response.aread()!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                reply.tokens = chunk["usage"]["completion_tokens"]
-            if any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", [])):
-                reply.chunk_times.append(time.perf_counter())
+    async for chunk in stream_chunks(client, "/v1/chat/completions", body):
+        if chunk.get("usage"):
+            reply.tokens = chunk["usage"]["completion_tokens"]
+        if any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", [])):
+            reply.chunk_times.append(time.perf_counter())
     return reply
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from rayrunner_service import rayrunner_service, smollm2_spec
+from rayrunner_service import rayrunner_service, smollm2_spec, stream_chunks
 
 from rayrunner.models.sources import SMOLLM2, resolve
 
@@ -129,19 +129,13 @@ async def chat(client: httpx.AsyncClient, model: str, messages: list[dict[str, s
     first: float | None = None
     parts: list[str] = []
     usage: dict[str, Any] = {}
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{model}: HTTP {response.status_code}: {await response.aread()!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices") or []:
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    first = first or time.perf_counter()
-                    parts.append(content)
+    async for chunk in stream_chunks(client, "/v1/chat/completions", body):
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or []:
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                first = first or time.perf_counter()
+                parts.append(content)
     end = time.perf_counter()
     details = usage.get("prompt_tokens_details") or {}
     return Reply(ttft=(first or end) - start, wall=end - start, text="".join(parts),

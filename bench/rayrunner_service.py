@@ -5,9 +5,10 @@ added at runtime through the admin API as a user would.
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -68,3 +69,14 @@ def wait_loaded(http: httpx.Client, model_id: str) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{model_id} did not load within {LOAD_TIMEOUT_S:.0f} s")
         time.sleep(0.5)
+
+
+async def stream_chunks(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of one streamed OpenAI response (its `data: {...}` lines) as they arrive; a status other than
+    200 raises `RuntimeError` naming the model and the body."""
+    async with client.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{body.get('model')}: HTTP {response.status_code}: {await response.aread()!r}")
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                yield json.loads(line[6:])

@@ -140,7 +140,6 @@ class KvMoves:
                     else:
                         self._batch = None
             sequence.prefilled = 0
-            sequence.preemptions += 1
             self._waiting.appendleft(sequence)
         self.memory.preemptions += 1
         if self.model_id is not None:

@@ -45,7 +45,6 @@ class Sequence:
     failed: bool = False  # ended by an error (its cache is not kept for reuse)
     prefilled: int = 0  # tokens of `prefill_ids` already in this sequence's cache (chunked prefill, reuse)
     cached_tokens: int = 0  # prompt tokens its first prefill took from the prefix cache
-    preemptions: int = 0  # times its cache was dropped for KV memory (prefilled again from prompt and output)
     started_at: float = 0.0
     first_token_at: float | None = None
     row: SamplingRow | None = None
