@@ -39,9 +39,15 @@ RECURRENT_LAYERS = frozenset({"linear_attention", "conv", "hybrid", "full_attent
 def new_cache(config: object) -> DynamicCache:
     """An empty cache for `config`'s model: a plain layer per attention layer, sliding-window ones included (see
     above), else transformers' own layers (recurrent states, chunked attention)."""
-    if set(_layer_types(config)) <= ATTENTION_LAYERS:
+    if plain_attention(config):
         return DynamicCache()  # layers added as the forward fills them, each a `DynamicLayer`
     return DynamicCache(config=config)  # type: ignore[arg-type]
+
+
+def plain_attention(config: object) -> bool:
+    """Whether every layer is attention, full or sliding-window: its cache is plain `DynamicLayer`s, one per layer
+    (what the prefix cache copies blocks from and into)."""
+    return set(_layer_types(config)) <= ATTENTION_LAYERS
 
 
 def mergeable(config: object) -> bool:

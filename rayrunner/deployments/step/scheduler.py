@@ -38,7 +38,7 @@ from rayrunner.deployments.step.admission import Admission
 from rayrunner.deployments.step.compute_thread import ComputeThread
 from rayrunner.deployments.step.detokenizer import Detokenizer
 from rayrunner.deployments.step.fast_decode import FastDecode
-from rayrunner.deployments.step.kv_batch import BatchCache, mergeable, new_cache, recurrent
+from rayrunner.deployments.step.kv_batch import BatchCache, mergeable, new_cache, plain_attention, recurrent
 from rayrunner.deployments.step.kv_memory import KvMemory
 from rayrunner.deployments.step.kv_moves import KvMoves
 from rayrunner.deployments.step.lora import LoraAdapters
@@ -90,7 +90,8 @@ class StepScheduler(KvMoves):
         states = recurrent(model.config)
         self.admission = Admission(limits.prefill_chunk_tokens, adapters.max_adapters if adapters else None,
                                    one_per_pass=states)
-        self.memory = KvMemory(limits.kv_cache_bytes, self.device, limits.prefix_caching and shared and not states)
+        reuse = limits.prefix_caching and plain_attention(model.config)  # the prefix cache's blocks are plain layers
+        self.memory = KvMemory(limits.kv_cache_bytes, self.device, reuse)
         self._found: dict[int, list[LayerKV]] = {}  # by id(sequence): cached blocks its prompt starts with
         self._cond = threading.Condition()
         self._waiting: collections.deque[Sequence] = collections.deque()
