@@ -56,9 +56,39 @@ def _assigned_gpus() -> bool:
     return not ray.is_initialized() or bool(ray.get_gpu_ids())
 
 
-def pick_dtype(requested: str) -> torch.dtype:
-    # bf16 is the default everywhere: faster than f32 on recent CPUs (AMX) and half the bytes.
-    return _DTYPES.get(requested, torch.bfloat16)
+def pick_dtype(requested: str, config: Any = None, device: str = "cpu") -> torch.dtype:
+    """The dtype to load in: the one asked for, or for `auto` the config's (`dtype`, which transformers also reads
+    from an older config's `torch_dtype`) where `device` runs it well, else bf16 (see `_auto_dtype`)."""
+    if requested in _DTYPES:
+        return _DTYPES[requested]
+    return _auto_dtype(_config_dtype(config), device)
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    """The dtype a model's config names (a multimodal one's may name it only in its text config)."""
+    for part in (config, getattr(config, "text_config", None)):
+        value = getattr(part, "dtype", None)
+        if isinstance(value, str):
+            value = getattr(torch, value, None)
+        if isinstance(value, torch.dtype):
+            return value
+    return None
+
+
+def _auto_dtype(declared: torch.dtype | None, device: str) -> torch.dtype:
+    """float32 and bf16 as declared. float16 stays on a GPU, but is bf16 on CPU: the same bytes, with float32's
+    range (no float16 weight overflows), and the CPU paths are bf16 ones (oneDNN's AMX/AVX-512 bf16 GEMMs,
+    rayrunner's decode kernel) where float16 mostly falls back to generic kernels. bf16 is float16 on a GPU
+    without bf16. Nothing declared (a GGUF's config), or another dtype: bf16, faster than float32 on recent CPUs and
+    half the bytes."""
+    if declared == torch.float32:
+        return torch.float32
+    on_gpu = device.startswith("cuda")
+    if declared == torch.float16 and on_gpu:
+        return torch.float16
+    if on_gpu and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
 
 
 def resolve_which(spec: ModelSpec, progress: LoadProgress | None = None) -> tuple[ResolvedSource, str | None]:
@@ -97,7 +127,7 @@ def load_model(spec: ModelSpec, auto_class: Any, with_processor: bool = False) -
     config = load_config(source)
     check_arch(getattr(spec.which, "arch", None), config.model_type)
     device = pick_device(spec.engine.device)
-    dtype = pick_dtype(spec.which.dtype)
+    dtype = pick_dtype(spec.which.dtype, config, device)
     model, quantization = _model(spec, auto_class, source, device, dtype, progress)
     if device == "cpu":
         widen_linears(model)  # prefill matmuls in float32 where this CPU has no native bf16/fp16 GEMM

@@ -16,7 +16,7 @@ from typing import Any
 from rayrunner.models.spec import ModelSpec
 from rayrunner.models.which import GGUF
 
-_LOADED_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "auto": 2}  # `auto` loads as bf16 (see loading.pick_dtype)
+_LOADED_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 _KV_TOKENS_CAP = 4096  # a reserve for one sequence, not the model's whole context window
 
 
@@ -74,13 +74,13 @@ def _weight_bytes(spec: ModelSpec, folder: Path, gguf_file: str | None) -> int:
         count = (folder / gguf_file).stat().st_size * 2  # about 4 bits a weight, dequantized on load
     else:
         count = sum(_safetensors_numel(path) for path in folder.glob("*.safetensors"))
-    return int(count * _bytes_per_weight(spec))
+    return int(count * _bytes_per_weight(spec, folder))
 
 
-def _bytes_per_weight(spec: ModelSpec) -> float:
+def _bytes_per_weight(spec: ModelSpec, folder: Path) -> float:
     """The loaded dtype's size; with ISQ, int8 (1 byte) for 5-8 bit names and int4 (half a byte) for 2-4 bit."""
     if spec.in_situ_quant is None:
-        return _LOADED_BYTES[spec.which.dtype]
+        return _loaded_bytes(spec, folder)
     from rayrunner.quantization import parse_isq
 
     return 0.5 if parse_isq(spec.in_situ_quant).bits <= 4 else 1.0
@@ -110,4 +110,18 @@ def _kv_reserve(spec: ModelSpec, folder: Path) -> int:
     kv_heads = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // max(heads, 1))
     tokens = spec.engine.max_seq_len or min(int(config.get("max_position_embeddings", 2048)), _KV_TOKENS_CAP)
-    return 2 * layers * kv_heads * head_dim * tokens * _LOADED_BYTES[spec.which.dtype]
+    return 2 * layers * kv_heads * head_dim * tokens * _loaded_bytes(spec, folder)
+
+
+def _loaded_bytes(spec: ModelSpec, folder: Path) -> int:
+    """Bytes a value takes at the dtype the model loads in: `auto` loads a model whose config says float32 in
+    float32, any other in a 2-byte dtype (see loading.pick_dtype)."""
+    if spec.which.dtype != "auto":
+        return _LOADED_BYTES[spec.which.dtype]
+    path = folder / "config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    for part in (config, config.get("text_config") or {}):
+        declared = part.get("dtype") or part.get("torch_dtype")
+        if declared:
+            return 4 if declared == "float32" else 2
+    return 2

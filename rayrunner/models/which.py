@@ -23,7 +23,8 @@ class _Which(BaseModel):
     _positional: ClassVar[str] = "model_id"
     kind: ClassVar[Literal["text", "multimodal", "embedding"]] = "text"
 
-    dtype: Dtype = Field("auto", description="Weights dtype; `auto` = bf16 on CPU and GPU, or the config's.")
+    dtype: Dtype = Field("auto", description="Weights dtype; `auto` = the config's (float16 as bf16 on CPU, bf16 "
+                         "as float16 on a GPU without it), bf16 when the config names none.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
     hf_cache_path: str | None = Field(None, description="Hugging Face cache folder to read hub ids from.")
 
@@ -73,9 +74,19 @@ class GGUF(_Which):
     type: Literal["gguf"] = "gguf"
     _positional: ClassVar[str] = "quantized_model_id"
     quantized_model_id: str = Field(description="Folder or hub id holding the GGUF file, or the file itself.")
-    quantized_filename: str | None = Field(None, description="GGUF file name inside `quantized_model_id`.")
+    quantized_filename: str | None = Field(None, description="GGUF file name inside `quantized_model_id` (a "
+                                           "plain name: no folder, `..` or absolute path).")
     tok_model_id: str | None = Field(None, description="Where to take the tokenizer from (default: the GGUF).")
     arch: Architecture | None = None
+
+    @field_validator("quantized_filename")
+    @classmethod
+    def _plain_file_name(cls, value: str | None) -> str | None:
+        """Only a name inside the folder: a path here would reach past the folder the source policy checked."""
+        if value is not None and (value in ("", ".", "..") or any(c in value for c in "/\\\0")):
+            raise ValueError(f"`{value}` is not a plain file name (no folder, `..` or absolute path; the folder "
+                             "goes in `quantized_model_id`)")
+        return value
 
 
 class Lora(_Which):
@@ -110,7 +121,13 @@ class Which:
         try:
             return _ADAPTER.validate_python(value)
         except ValidationError as exc:
-            raise InvalidSpecError(f"invalid `which`: {_first_error(exc)}", param="which") from None
+            raise InvalidSpecError(f"invalid `which`: {_first_error(exc)}", param=_param(exc)) from None
+
+
+def _param(exc: ValidationError) -> str:
+    """`which.<field>` for the first error in a field (the loc's first part is the type's tag), else `which`."""
+    loc = exc.errors()[0]["loc"]
+    return ".".join(["which", *(str(p) for p in loc[1:])])
 
 
 def _first_error(exc: ValidationError) -> str:
