@@ -25,6 +25,7 @@ from rayrunner.protocol import NamedToolChoice, Tool, ToolCallDelta
 
 H, L, M = ToolFormat.HERMES, ToolFormat.LLAMA, ToolFormat.MISTRAL
 G, C = ToolFormat.GRANITE, ToolFormat.COHERE
+HA, OL = ToolFormat.HARMONY, ToolFormat.OLMO
 WEATHER = {"city": "Paris", "unit": "c"}
 
 # (format, output, content, [(name, arguments)])
@@ -57,6 +58,22 @@ CASES: list[tuple[ToolFormat, str, str | None, list[tuple[str, dict[str, Any]]]]
     (C, 'I will look it up.\n<|START_ACTION|>[\n  {"tool_call_id": "0", "tool_name": "weather", "parameters": '
         '{"city": "Paris", "unit": "c"}},\n  {"tool_call_id": "1", "tool_name": "g", "parameters": {}}\n]'
         "<|END_ACTION|>", "I will look it up.", [("weather", WEATHER), ("g", {})]),
+    (M, '[TOOL_CALLS]weather[ARGS]{"city": "Paris", "unit": "c"}[TOOL_CALLS]g[ARGS]{}', None,
+     [("weather", WEATHER), ("g", {})]),
+    (M, 'On it.[TOOL_CALLS]weather[CALL_ID]a1b2c3d4e[ARGS] {"city": "Paris", "unit": "c"}', "On it.",
+     [("weather", WEATHER)]),
+    (HA, '<|channel|>analysis<|message|>Need the weather.<|start|>assistant<|channel|>commentary '
+         'to=functions.weather <|constrain|>json<|message|>{"city": "Paris", "unit": "c"}<|call|>',
+     "Need the weather.", [("weather", WEATHER)]),
+    (HA, '<|start|>assistant to=functions.g<|channel|>commentary json<|message|>{}', None, [("g", {})]),
+    (HA, "<|channel|>final<|message|>It is sunny.", "It is sunny.", []),
+    (OL, 'Let me check.<function_calls>weather(city="Paris", unit="c")\ng(n=-1, on=true, x=None, l=[1, {"k": null}])'
+        "</function_calls>", "Let me check.",
+     [("weather", WEATHER), ("g", {"n": -1, "on": True, "x": None, "l": [1, {"k": None}]})]),
+    (OL, "<function_calls>[weather(city='Paris', unit='c'), g()]</function_calls>", None,
+     [("weather", WEATHER), ("g", {})]),
+    (OL, '<function_calls>[{"name": "weather", "arguments": {"city": "Paris", "unit": "c"}}]</function_calls>', None,
+     [("weather", WEATHER)]),
 ]
 
 MALFORMED = [
@@ -73,9 +90,17 @@ MALFORMED = [
     (M, '[TOOL_CALLS][{"name": "f", "arguments": {}}, 3]'),
     (G, '<|tool_call|>{"name": "f", "arguments": {}}'),  # not an array
     (C, '<|START_ACTION|>[{"tool_call_id": "0", "parameters": {}}]<|END_ACTION|>'),  # no tool_name
+    (M, '[TOOL_CALLS]f[ARGS][1]'),  # arguments not an object
+    (M, "[TOOL_CALLS]f(x) [ARGS]{}"),
+    (HA, '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1'),  # cut short
+    (HA, '<|channel|>commentary to=functions.f<|message|>"x"'),
+    (OL, "<function_calls>f(1, 2)</function_calls>"),  # positional arguments
+    (OL, "<function_calls>f(x=open('/etc'))</function_calls>"),  # not a literal
+    (OL, "<function_calls>import os</function_calls>"),
+    (OL, "<function_calls>f(x=1"),  # cut short
 ]
-MARKERS = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "<|tool_call|>", "<|START_ACTION|>",
-           "<|END_ACTION|>"]
+MARKERS = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "<|tool_call|>",
+           "<|START_ACTION|>", "<|END_ACTION|>", "<|channel|>", "<|message|>", "<function_calls>"]
 
 
 def calls_of(calls: list[ParsedCall]) -> list[tuple[str, dict[str, Any]]]:
@@ -165,6 +190,10 @@ def test_tool_format_from_the_chat_template(smollm2_template: str) -> None:
     assert tool_format("{% for tool in tools %}<tool_call>{{ tool | tojson }}{% endfor %}") is H
     assert tool_format('{{- "<|python_tag|>" }}{"name": function name, "parameters": ...}') is L
     assert tool_format('{{ "[TOOL_CALLS]" + tool_calls | tojson }}') is M
+    assert tool_format('{{ "[TOOL_CALLS]" + name + "[ARGS]" + arguments }}') is M
+    assert tool_format('{{- "<|start|>assistant to=functions." + name + "<|channel|>commentary json<|message|>" }}'
+                       '{"parameters": ') is HA
+    assert tool_format("{{- '<function_calls>' + name + '(' + arguments + ')' + '</function_calls>' }}") is OL
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,20 @@ JSON Schema that constrains a forced call (`tool_choice` `required` or a named f
 Formats: Hermes/Qwen (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call, or a JSON
 array of calls in one block as SmolLM2 writes them), Llama 3.x JSON (`{"name": ..., "parameters": {...}}` at the
 start of the answer or after a call, or after `<|python_tag|>`), Mistral (`[TOOL_CALLS][{"name": ..., "arguments":
-{...}}, ...]`), Granite (`<|tool_call|>[{"name": ..., "arguments": {...}}]`) and Cohere (`<|START_ACTION|>[{
-"tool_name": ..., "parameters": {...}}]<|END_ACTION|>`). Text that looks like a call but is not a valid one stays
-content. Whitespace (and Llama's `;`) touching a call is dropped. Pure Python: no torch, no transformers.
+{...}}, ...]`, or the newer `[TOOL_CALLS]name[ARGS]{...}`, a `[CALL_ID]id` perhaps before `[ARGS]`), Granite
+(`<|tool_call|>[{"name": ..., "arguments": {...}}]`), Cohere (`<|START_ACTION|>[{"tool_name": ..., "parameters":
+{...}}]<|END_ACTION|>`), gpt-oss's harmony (`<|start|>assistant<|channel|>commentary to=functions.NAME
+<|constrain|>json<|message|>{...}<|call|>`, the recipient before `<|channel|>` too; the header of any other message is
+dropped, its text is content) and OLMo 3 (`<function_calls>name(key=value, ...)</function_calls>`, one Python-style
+call a line, JSON or Python literals as values). Text that looks like a call but is not a valid one stays content.
+Whitespace (and Llama's `;`) touching a call is dropped. Pure Python: no torch, no transformers.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from enum import Enum
@@ -30,12 +36,18 @@ class ToolFormat(Enum):
     MISTRAL = "mistral"
     GRANITE = "granite"
     COHERE = "cohere"
+    HARMONY = "harmony"
+    OLMO = "olmo"
 
 
 def tool_format(chat_template: str | None) -> ToolFormat:
     """The call format a chat template teaches its model; Hermes for templates without tool support (the prompt
     rayrunner writes for those asks for Hermes blocks)."""
     template = chat_template or ""
+    if "<|channel|>" in template:  # first: gpt-oss's template also names "parameters"
+        return ToolFormat.HARMONY
+    if "<function_calls>" in template:
+        return ToolFormat.OLMO
     if "<|START_ACTION|>" in template:  # before Llama's test: Cohere's template also names "parameters"
         return ToolFormat.COHERE
     if "<|tool_call|>" in template:
@@ -91,6 +103,16 @@ def _call(item: Any) -> ParsedCall | None:
     return ParsedCall(item["name"], json.dumps(args, ensure_ascii=False))
 
 
+def _named_call(name: str, text: str) -> list[ParsedCall] | None:
+    """The call of `name` whose arguments are the JSON object `text`, or None when it is not one."""
+    try:
+        arguments = json.loads(text)
+    except ValueError:
+        return None
+    call = _call({"name": name, "arguments": arguments})
+    return None if call is None else [call]
+
+
 def _calls_from_json(text: str) -> list[ParsedCall] | None:
     """The calls in a JSON object or array of call objects, or None when any of it is not a call."""
     try:
@@ -139,19 +161,78 @@ class _JsonEnd:
 
 _OPENERS = {ToolFormat.HERMES: ("<tool_call>",), ToolFormat.LLAMA: ("<|python_tag|>",),
             ToolFormat.MISTRAL: ("[TOOL_CALLS]",), ToolFormat.GRANITE: ("<|tool_call|>",),
-            ToolFormat.COHERE: ("<|START_ACTION|>",)}
+            ToolFormat.COHERE: ("<|START_ACTION|>",), ToolFormat.HARMONY: ("<|start|>", "<|channel|>"),
+            ToolFormat.OLMO: ("<function_calls>",)}
 _CLOSER = {ToolFormat.HERMES: "</tool_call>", ToolFormat.LLAMA: "", ToolFormat.MISTRAL: "", ToolFormat.GRANITE: "",
-           ToolFormat.COHERE: "<|END_ACTION|>"}
+           ToolFormat.COHERE: "<|END_ACTION|>", ToolFormat.HARMONY: "<|call|>", ToolFormat.OLMO: "</function_calls>"}
+_INNER = {ToolFormat.MISTRAL: ("[CALL_ID]", "[ARGS]"), ToolFormat.HARMONY: ("<|constrain|>", "<|message|>")}
 _BODY = {ToolFormat.HERMES: "{[", ToolFormat.LLAMA: "{", ToolFormat.MISTRAL: "[", ToolFormat.GRANITE: "[",
-         ToolFormat.COHERE: "["}  # what a call's JSON opens with
+         ToolFormat.COHERE: "[", ToolFormat.HARMONY: "{", ToolFormat.OLMO: ""}  # what a call's JSON opens with
 _PENDING = None  # a call's verdict needs more text
 _Verdict = tuple[list[ParsedCall] | None, int] | None  # (calls, or None when malformed; text consumed) | pending
+# Mistral's named call: `name`, perhaps `[CALL_ID]id`, then `[ARGS]` and the arguments' JSON object
+_MISTRAL_NAMED = re.compile(r"(?P<name>[\w.\-]+)(?:\[CALL_ID\](?P<id>\w*))?(?P<args>\[ARGS\])?")
+# A harmony message header up to its `<|message|>`; the recipient sits before `<|channel|>` or after the channel
+_HARMONY_HEAD = re.compile(r"(?:<\|start\|>assistant)?(?:\s*to=(?P<pre>[^\s<]+))?\s*<\|channel\|>\w+"
+                           r"(?:\s*to=(?P<post>[^\s<]+))?\s*(?:<\|constrain\|>)?\s*(?:json)?\s*<\|message\|>")
+_PY_LITERALS = {"null": None, "None": None, "true": True, "True": True, "false": False, "False": False}
+
+
+@dataclass(frozen=True)
+class _Head:
+    """Where a call's JSON starts, and its function's name when the format writes it outside the JSON (the JSON is
+    then the arguments)."""
+
+    body: int
+    name: str | None = None
+
+
+def _literal(node: ast.expr) -> Any:
+    """A Python-style argument's value: literals, JSON's `null`/`true`/`false` too; ValueError for anything else."""
+    if isinstance(node, ast.Name) and node.id in _PY_LITERALS:
+        return _PY_LITERALS[node.id]
+    if isinstance(node, ast.List | ast.Tuple):
+        return [_literal(item) for item in node.elts]
+    if isinstance(node, ast.Dict):
+        return {_literal(key) if key is not None else None: _literal(value)
+                for key, value in zip(node.keys, node.values, strict=True)}
+    value = ast.literal_eval(node)  # constants and signed numbers; raises ValueError on names and calls
+    if not isinstance(value, str | int | float | bool | type(None)):
+        raise ValueError(f"not a JSON value: {value!r}")
+    return value
+
+
+def _python_call(node: ast.expr) -> ParsedCall:
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+        raise ValueError("not a call with keyword arguments")
+    arguments = {keyword.arg: _literal(keyword.value) for keyword in node.keywords}
+    if None in arguments:
+        raise ValueError("** arguments")
+    return ParsedCall(node.func.id, json.dumps(arguments, ensure_ascii=False))
+
+
+def _python_calls(text: str) -> list[ParsedCall] | None:
+    """The calls in OLMo 3's block: `name(key=value, ...)` one a line (a list or tuple of them too), or a JSON call
+    object or list; None when any of it is not a call."""
+    if text.lstrip(_WS)[:1] in ("{", "["):
+        found = _calls_from_json(text)
+        if found is not None:
+            return found
+    try:
+        module = ast.parse(text.strip(_WS))
+        nodes = [stmt.value for stmt in module.body if isinstance(stmt, ast.Expr)]
+        if not nodes or len(nodes) != len(module.body):
+            return None
+        items = [item for node in nodes for item in (node.elts if isinstance(node, ast.List | ast.Tuple) else [node])]
+        return [_python_call(item) for item in items] or None
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return None
 
 
 def markers(fmt: ToolFormat) -> tuple[str, ...]:
-    """The strings that open or close a call in `fmt` (where they are special tokens, the detokenizer must keep
-    them for the parser)."""
-    return tuple(m for m in (*_OPENERS[fmt], _CLOSER[fmt]) if m)
+    """The strings that open, punctuate or close a call in `fmt` (where they are special tokens, the detokenizer must
+    keep them for the parser)."""
+    return tuple(m for m in (*_OPENERS[fmt], *_INNER.get(fmt, ()), _CLOSER[fmt]) if m)
 
 
 class ToolCallStream:
@@ -225,25 +306,90 @@ class ToolCallStream:
         buf = self._buf
         marker = next((m for m in _OPENERS[self.fmt] if buf.startswith(m)), "")
         malformed = (None, max(len(marker), 1))  # the marker becomes content; the text after it is scanned again
-        body = len(buf) - len(buf[len(marker):].lstrip(_WS))
-        if body == len(buf):
-            return malformed if final else _PENDING
-        if buf[body] not in _BODY[self.fmt]:
+        if self.fmt is ToolFormat.OLMO:
+            return self._python_block(len(marker), final)
+        head = self._head(len(marker), final)
+        if not isinstance(head, _Head):
+            return head
+        if buf[head.body] not in ("{" if head.name else _BODY[self.fmt]):
             return malformed
-        self._scan = self._scan or _JsonEnd(body)
+        self._scan = self._scan or _JsonEnd(head.body)
         end = self._scan.find(buf)
         if end is None:
             return malformed if final else _PENDING
-        calls = _calls_from_json(buf[body:end])
+        text = buf[head.body:end]
+        calls = _calls_from_json(text) if head.name is None else _named_call(head.name, text)
         if calls is None:
             return malformed
-        closer = _CLOSER[self.fmt]
+        closed = self._closed(end, final)
+        return _PENDING if closed is None else (calls, closed)
+
+    def _closed(self, end: int, final: bool) -> int | None:
+        """Where a call whose JSON ends at `end` ends: past the format's closer if it follows (None: it may yet)."""
+        buf, closer = self._buf, _CLOSER[self.fmt]
         after = len(buf) - len(buf[end:].lstrip(_WS))
         if closer and buf.startswith(closer, after):
-            end = after + len(closer)
-        elif closer and not final and closer.startswith(buf[after:]):
+            return after + len(closer)
+        if closer and not final and closer.startswith(buf[after:]):
+            return None
+        return end
+
+    def _head(self, start: int, final: bool) -> _Head | _Verdict:
+        """Where the call's JSON starts after its marker (`start`), or the verdict when that is already known."""
+        buf = self._buf
+        malformed = (None, max(start, 1))
+        body = len(buf) - len(buf[start:].lstrip(_WS))
+        if body == len(buf):
+            return malformed if final else _PENDING
+        if self.fmt is ToolFormat.MISTRAL and buf[body] != "[":
+            return self._mistral_named(body, final, malformed)
+        if self.fmt is ToolFormat.HARMONY:
+            return self._harmony_head(final, malformed)
+        return _Head(body)
+
+    def _mistral_named(self, start: int, final: bool, malformed: _Verdict) -> _Head | _Verdict:
+        """`name[ARGS]` (a `[CALL_ID]id` perhaps between them) at `start`."""
+        buf = self._buf
+        match = _MISTRAL_NAMED.match(buf, start)
+        if match is None:
+            return malformed
+        if match["args"]:
+            body = len(buf) - len(buf[match.end():].lstrip(_WS))
+            if body == len(buf):
+                return malformed if final else _PENDING
+            return _Head(body, match["name"])
+        rest = buf[match.end():]
+        growing = not rest or "[ARGS]".startswith(rest) or (match["id"] is None and "[CALL_ID]".startswith(rest))
+        return _PENDING if growing and not final else malformed
+
+    def _harmony_head(self, final: bool, malformed: _Verdict) -> _Head | _Verdict:
+        """A harmony message header: a call's when its recipient is `functions.NAME`, else dropped (its text is
+        content)."""
+        buf = self._buf
+        end = buf.find("<|message|>")
+        if end < 0:
+            return malformed if final else _PENDING
+        end += len("<|message|>")
+        match = _HARMONY_HEAD.fullmatch(buf, 0, end)
+        if match is None:
+            return malformed
+        recipient = match["pre"] or match["post"] or ""
+        if not recipient.startswith("functions.") or recipient == "functions.":
+            return [], end
+        body = len(buf) - len(buf[end:].lstrip(_WS))
+        if body == len(buf):
+            return malformed if final else _PENDING
+        return _Head(body, recipient.removeprefix("functions."))
+
+    def _python_block(self, start: int, final: bool) -> _Verdict:
+        """OLMo 3's `<function_calls>...</function_calls>` block (unclosed at the end of the output too)."""
+        closer = _CLOSER[self.fmt]
+        close = self._buf.find(closer, start)
+        if close < 0 and not final:
             return _PENDING
-        return calls, end
+        end = len(self._buf) if close < 0 else close + len(closer)
+        calls = _python_calls(self._buf[start:close if close >= 0 else end])
+        return (calls, end) if calls is not None else (None, max(start, 1))
 
     def _marker_at(self, buf: str) -> int | None:
         """Where the first call marker in `buf` starts (a Llama `{` counts only at a call position)."""

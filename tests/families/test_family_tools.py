@@ -2,12 +2,12 @@
 family's instruct models write.
 
 rayrunner picks the format from the chat template (`tool_calls.tool_format`): Mistral's `[TOOL_CALLS]`, Hermes
-`<tool_call>` blocks, Llama 3.x JSON; a template without tool support gets the tools described in a system message
+`<tool_call>` blocks, Llama 3.x JSON, Cohere's action blocks, Granite's `<|tool_call|>` lists, gpt-oss's harmony
+messages, OLMo 3's `<function_calls>`; a template without tool support gets the tools described in a system message
 that asks for Hermes blocks (`chat_prompt`). The tiny models have no chat template, so each family's case is its
 template's tool markers (a fragment written here, not the template) and the call its instruct models write, as their
-model cards show. A format rayrunner does not parse (gpt-oss's harmony, Cohere's action blocks, Granite's
-`<|tool_call|>` lists, OLMo 3's `<function_calls>`) leaves the call in the reply's content: those are "no" in
-docs/architectures.md, and tested as such here so the table changes when the parser does."""
+model cards show. A format rayrunner did not parse would leave the call in the reply's content (`parsed=False`, a
+"no" in docs/architectures.md), so the table changes when the parser does."""
 
 from __future__ import annotations
 
@@ -46,7 +46,10 @@ COHERE = ('{% for tool in tools %}{"name": "{{ tool.function.name }}", "paramete
 GRANITE = ("{%- if tools %}<|start_of_role|>available_tools<|end_of_role|>{{ tools | tojson }}. When a tool is "
            "required, respond only with <|tool_call|> followed by a JSON list of tools used.{%- endif %}")
 OLMO3 = ("{%- if tools %}<functions>{{ tools | tojson }}</functions>{%- endif %}"
-         "<function_calls>{{ name }}(**args)</function_calls>")
+         "{{- '<function_calls>' + name + '(' + arguments + ')' -}}{{- '</function_calls>' -}}")
+# Mistral's newer templates (tokenizer v11 on: Ministral 3, Mistral Small 3.2, Magistral, Devstral)
+MISTRAL_NAMED = ('{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}'
+                 '{{ "[TOOL_CALLS]" + tool.name + "[ARGS]" + tool.arguments | tojson }}')
 PLAIN = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
          "{% endfor %}")
 # Gemma's and Gemma 2's own templates refuse a system turn
@@ -75,15 +78,15 @@ CASES: dict[str, Case] = {
     "Gemma 3 (sliding + full)": Case(PLAIN, HERMES_CALL, True),  # folds a system turn into the first user turn
     "Phi-3 (sliding window)": Case(PLAIN, HERMES_CALL, True),
     "gpt-oss (sliding + full, MoE)": Case(
-        HARMONY, '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
-        False),
+        HARMONY, '<|channel|>analysis<|message|>The user wants the weather.<|end|><|start|>assistant<|channel|>'
+                 'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>', True),
     "Cohere2 (sliding + full)": Case(
         COHERE, '<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": '
                 '{"city": "Paris"}}\n]<|END_ACTION|>', True),  # Command R7B
     "Granite": Case(GRANITE, '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]', True),
     "SmolLM3": Case(HERMES, HERMES_CALL, True),
     "OLMo 2": Case(PLAIN, HERMES_CALL, True),
-    "OLMo 3 (sliding + full)": Case(OLMO3, '<function_calls>get_weather(city="Paris")</function_calls>', False),
+    "OLMo 3 (sliding + full)": Case(OLMO3, '<function_calls>get_weather(city="Paris")</function_calls>', True),
     "StarCoder2 (sliding window)": Case(PLAIN, HERMES_CALL, True),
     "EXAONE 4 (sliding + full)": Case(HERMES, HERMES_CALL, True),
     "StableLM": Case(PLAIN, HERMES_CALL, True),
@@ -91,7 +94,7 @@ CASES: dict[str, Case] = {
 # Families whose templates refuse the system message rayrunner describes the tools in (it opens the user turn)
 REFUSE_SYSTEM = {family for family, case in CASES.items() if case.template == NO_SYSTEM}
 FORMATS = {LLAMA3: ToolFormat.LLAMA, MISTRAL: ToolFormat.MISTRAL, COHERE: ToolFormat.COHERE,
-           GRANITE: ToolFormat.GRANITE}
+           GRANITE: ToolFormat.GRANITE, HARMONY: ToolFormat.HARMONY, OLMO3: ToolFormat.OLMO}
 
 
 def test_every_family_has_a_case() -> None:
@@ -120,8 +123,8 @@ def test_the_familys_tool_calls_are_read_in_the_format_its_template_picks(family
 def _without_special_tokens(text: str, kept: tuple[str, ...]) -> str:
     """`text` as a detokenizer that drops special tokens writes it (markers in `<|...|>` form dropped, the `kept` ones
     that the format's parser reads excepted: the engine keeps those)."""
-    for token in ("<|START_ACTION|>", "<|END_ACTION|>", "<|tool_call|>", "<|channel|>", "<|constrain|>",
-                  "<|message|>", "<|call|>"):
+    for token in ("<|START_ACTION|>", "<|END_ACTION|>", "<|tool_call|>", "<|start|>", "<|channel|>",
+                  "<|constrain|>", "<|message|>", "<|end|>", "<|call|>"):
         text = text if token in kept else text.replace(token, "")
     return text
 
@@ -145,8 +148,13 @@ def test_a_template_that_refuses_a_system_turn_still_gets_the_tools(family: str,
         render_chat(smol, [ChatMessage(role="system", content="Be brief.")], None, CASES[family].template)
 
 
-def test_mistrals_name_args_form_is_not_read() -> None:
-    """Mistral's newer tokenizers write a call as `[TOOL_CALLS]name[ARGS]{...}` (no JSON list): not parsed, so it
-    stays content (the Mistral cells of the table are the JSON-list form)."""
-    content, calls = parse_tool_calls('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', tool_format(MISTRAL))
-    assert calls == [] and content is not None and "get_weather" in content
+def test_mistrals_name_args_form_is_read() -> None:
+    """Mistral's newer tokenizers write a call as `[TOOL_CALLS]name[ARGS]{...}` (no JSON list), one marker a call;
+    their templates pick the Mistral format too, which reads both forms (`[ARGS]` a special token kept for it)."""
+    fmt = tool_format(MISTRAL_NAMED)
+    assert fmt is ToolFormat.MISTRAL and "[ARGS]" in markers(fmt)
+    content, calls = parse_tool_calls('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]'
+                                      '{"city": "Lyon"}', fmt)
+    assert content is None
+    assert [(call.name, json.loads(call.arguments)) for call in calls] == [("get_weather", CITY),
+                                                                          ("get_weather", {"city": "Lyon"})]
