@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from rayrunner.errors import InvalidSpecError, ModelLoadError, RayRunnerError
-from rayrunner.models.architectures import check_arch
+from rayrunner.models.architectures import check_arch, mrope_refusal
 from rayrunner.models.load_progress import LoadProgress, for_model
 from rayrunner.models.sources import ResolvedSource, resolve
 from rayrunner.models.spec import ModelSpec
@@ -92,16 +92,19 @@ def _auto_dtype(declared: torch.dtype | None, device: str) -> torch.dtype:
 
 
 def resolve_which(spec: ModelSpec, progress: LoadProgress | None = None) -> tuple[ResolvedSource, str | None]:
-    """The weights folder, plus the tokenizer location when it differs from the weights."""
-    which = spec.which
+    """The weights folder, plus the tokenizer location when it differs from the weights. A model added at runtime
+    has its locations checked again here, on the node that reads them (`engine.sources`)."""
+    which, policy = spec.which, spec.engine.sources
+    if policy is not None:
+        policy.check(which)
     if isinstance(which, GGUF):
         source = resolve(which.quantized_model_id, which.quantized_filename, which.revision, which.hf_cache_path,
-                         progress)
+                         progress, policy)
         if source.gguf_file is None:
             raise InvalidSpecError("Which.GGUF needs `quantized_filename` or a path to a .gguf file")
-        tok = resolve(which.tok_model_id, progress=progress).path if which.tok_model_id else None
+        tok = resolve(which.tok_model_id, progress=progress, policy=policy).path if which.tok_model_id else None
         return source, tok
-    source = resolve(which.model_id, None, which.revision, which.hf_cache_path, progress)
+    source = resolve(which.model_id, None, which.revision, which.hf_cache_path, progress, policy)
     tok = getattr(which, "tokenizer_json", None)
     return source, tok
 
@@ -125,10 +128,12 @@ def load_model(spec: ModelSpec, auto_class: Any, with_processor: bool = False) -
     progress.phase("resolving")
     source, tok_location = resolve_which(spec, progress)
     config = load_config(source)
-    check_arch(getattr(spec.which, "arch", None), config.model_type)
+    check_arch(getattr(spec.which, "arch", None), config.model_type, spec.which.kind == "multimodal")
     device = pick_device(spec.engine.device)
     dtype = pick_dtype(spec.which.dtype, config, device)
     model, quantization = _model(spec, auto_class, source, device, dtype, progress)
+    if with_processor:
+        check_positions(model)
     if device == "cpu":
         widen_linears(model)  # prefill matmuls in float32 where this CPU has no native bf16/fp16 GEMM
     with _as_load_error(spec):
@@ -139,6 +144,13 @@ def load_model(spec: ModelSpec, auto_class: Any, with_processor: bool = False) -
     progress.phase("warming up")
     return Loaded(model, tokenizer, processor, device, str(dtype).removeprefix("torch."), quantization,
                   time.perf_counter() - start)
+
+
+def check_positions(model: Any) -> None:
+    """Refuse a vision-language model that computes its own positions (a `get_rope_index`, M-RoPE) though its
+    type is not among `MROPE_MODEL_TYPES`: the step scheduler would override them."""
+    if any(hasattr(part, "get_rope_index") for part in (model, getattr(model, "model", None))):
+        raise mrope_refusal(f"model_type `{model.config.model_type}`", "which")
 
 
 def _model(spec: ModelSpec, auto_class: Any, source: ResolvedSource, device: str, dtype: torch.dtype,

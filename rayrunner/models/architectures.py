@@ -1,7 +1,9 @@
 """mistral.rs architecture names, mapped to transformers `model_type`s.
 
 `arch` is optional everywhere: when it is given it is checked against the model's config, so a wrong guess fails
-early with a clear message instead of loading the wrong head.
+early with a clear message instead of loading the wrong head. Vision-language families whose positions rayrunner
+cannot give (`MROPE_MODEL_TYPES`) are refused, by `arch` when the spec is parsed and by the config's `model_type`
+when a multimodal model loads.
 """
 
 from __future__ import annotations
@@ -9,6 +11,17 @@ from __future__ import annotations
 from enum import Enum
 
 from rayrunner.errors import InvalidSpecError
+
+# Vision-language models whose positions are M-RoPE's: 3-D, computed by the model's own rope index from where each
+# image sits in the prompt (transformers' `get_rope_index`), and offset per sequence while decoding. The step
+# scheduler gives every row plain 1-D positions, which would read the images and the text after them at the wrong
+# positions: a wrong answer rather than an error. They stay refused until the scheduler carries those positions.
+# A model of another type that has a rope index of its own is refused once loaded (`loading`).
+MROPE_MODEL_TYPES = frozenset({
+    "qwen2_vl", "qwen2_5_vl", "qwen2_5_omni", "qwen2_5_omni_thinker", "qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe",
+    "qwen3_omni_moe_thinker", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe", "glm46v", "glm_ocr", "ernie4_5_vl_moe",
+    "paddleocr_vl", "hunyuan_vl",
+})
 
 
 class _ArchEnum(str, Enum):
@@ -24,8 +37,15 @@ class _ArchEnum(str, Enum):
 
     @classmethod
     def parse(cls, value: str | _ArchEnum) -> _ArchEnum:
-        if isinstance(value, cls):
-            return value
+        """The member named by `value` (its name in any case, with or without `_`/`-`, or its `model_type`); an
+        unknown name, or an architecture rayrunner refuses to serve, is an InvalidSpecError."""
+        member = value if isinstance(value, cls) else cls._lookup(value)
+        if member.model_type in MROPE_MODEL_TYPES:
+            raise mrope_refusal(f"architecture `{member.value}`", "arch")
+        return member
+
+    @classmethod
+    def _lookup(cls, value: str | _ArchEnum) -> _ArchEnum:
         wanted = str(value).replace("-", "").replace("_", "").lower()
         for member in cls:
             if member.value.replace("_", "").lower() == wanted or (member.model_type or "") == str(value):
@@ -83,8 +103,18 @@ class EmbeddingArchitecture(_ArchEnum):
     Bert = ("Bert", "bert")
 
 
-def check_arch(arch: _ArchEnum | None, model_type: str) -> None:
-    """Fail clearly when the declared architecture is not loadable or does not match the config."""
+def mrope_refusal(what: str, param: str) -> InvalidSpecError:
+    """The 400 for a vision-language family whose positions rayrunner cannot give (`MROPE_MODEL_TYPES`)."""
+    return InvalidSpecError(f"{what} is not served: its image positions are M-RoPE's (the model's own rope index), "
+                            "which rayrunner's scheduler does not give yet, so its answers would be wrong", param=param)
+
+
+def check_arch(arch: _ArchEnum | None, model_type: str, multimodal: bool = False) -> None:
+    """Fail clearly when the declared architecture is not loadable or does not match the config, or when a
+    multimodal model is of a family whose positions rayrunner cannot give (`MROPE_MODEL_TYPES`; text alone has
+    plain positions in them, so a text model of that type is served)."""
+    if multimodal and model_type in MROPE_MODEL_TYPES:
+        raise mrope_refusal(f"model_type `{model_type}`", "which")
     if arch is None:
         return
     if arch.model_type is None:

@@ -134,4 +134,5 @@ def _first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err["loc"])
     hint = " (expected type: plain, multimodal_plain, embedding, gguf or lora)" if "type" in where or not where else ""
-    return f"{where}: {err['msg']}{hint}" if where else err["msg"] + hint
+    message = str(err["msg"]).removeprefix("Value error, ")
+    return f"{where}: {message}{hint}" if where else message + hint

@@ -4,7 +4,8 @@ from a folder as a checkpoint is, answers chats with and without images, alone a
 
 Served: LLaVA (Llama) and Gemma 3. Not served: Mistral 3 (Pixtral) and Qwen2-VL / Qwen2.5-VL, whose transformers
 processors need torchvision (a video processor, Pixtral's image processor), which rayrunner does not install; and
-were it installed, Qwen's M-RoPE positions are not the scheduler's (the last test)."""
+the Qwen-VL families are refused with a 400 whatever is installed, by `arch` and by the config's `model_type`: their
+M-RoPE positions are not the scheduler's (the last tests)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ import pytest
 import torch
 from PIL import Image
 
+from rayrunner.deployments.loading import check_positions
 from rayrunner.deployments.multimodal_engine import MultimodalEngine, to_conversation
 from rayrunner.deployments.sampling_params import SamplingParams
-from rayrunner.errors import ModelLoadError
+from rayrunner.errors import InvalidSpecError, ModelLoadError
 from rayrunner.models.spec import build_spec
 from rayrunner.protocol import ChatCompletionRequest
 from tests.families import tiny_multimodal
@@ -91,11 +93,30 @@ def test_families_whose_processor_needs_torchvision_are_not_served(family: str, 
         NEEDS_TORCHVISION[family](tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason="the scheduler passes position_ids = count of real tokens, which overrides "
-                                       "Qwen2-VL's M-RoPE positions for image tokens and the text after them")
-def test_qwen2_vl_prefill_positions_are_the_models_own() -> None:
-    """The model alone (no processor: torchvision is missing): the logits of a prompt with a 2 x 2 image through the
-    scheduler's positions against the model's own M-RoPE positions."""
+@pytest.mark.parametrize("arch", ["Qwen2VL", "Qwen2_5VL", "Qwen3VL", "qwen3_vl_moe"])
+def test_qwen_vl_architectures_are_refused_when_added(arch: str) -> None:
+    with pytest.raises(InvalidSpecError, match="is not served: its image positions are M-RoPE's") as caught:
+        build_spec("vlm", {"type": "multimodal_plain", "model_id": "Qwen/Qwen2-VL-2B-Instruct", "arch": arch})
+    assert caught.value.status == 400 and caught.value.param == "which.arch"
+    assert "Value error" not in caught.value.message
+    assert build_spec("vlm", {"type": "multimodal_plain", "model_id": "m", "arch": "LLaVA"}).which.arch
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_a_qwen_vl_checkpoint_without_arch_is_refused_when_it_loads(model_type: str, tmp_path: Path) -> None:
+    """Refused from its config.json, before its processor (which would need torchvision) or weights are read."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type).save_pretrained(tmp_path)
+    with pytest.raises(InvalidSpecError, match=f"model_type `{model_type}` is not served") as caught:
+        MultimodalEngine(build_spec("vlm", {"type": "multimodal_plain", "model_id": str(tmp_path)}))
+    assert caught.value.status == 400
+
+
+def test_qwen2_vl_positions_are_not_the_schedulers_so_such_a_model_is_refused() -> None:
+    """Why they are refused, on the model alone (no processor: torchvision is missing): the logits of a prompt with a
+    2 x 2 image through the scheduler's positions (count of real tokens) differ from the model's own M-RoPE ones; and
+    a loaded model with a rope index of its own is refused whatever its type says."""
     from transformers import AutoConfig, AutoModelForImageTextToText, Qwen2VLImageProcessorPil
 
     torch.manual_seed(0)
@@ -107,11 +128,15 @@ def test_qwen2_vl_prefill_positions_are_the_models_own() -> None:
                          rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
         image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503)
     model = AutoModelForImageTextToText.from_config(config).eval()
-    pixels = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)(images=[NOISE], return_tensors="pt")
+    processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)
+    pixels = processor(images=[NOISE.resize((56, 56))], return_tensors="pt")  # 2 x 2 merged patches
     ids = torch.tensor([[5, 6, 7, 502, 500, 500, 500, 500, 503, 8, 9, 10]])
     mask = torch.ones_like(ids)
     with torch.inference_mode():
         own = model(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == 500).long(), **pixels).logits
         scheduler = model(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == 500).long(),
                           position_ids=(mask.cumsum(1) - 1), **pixels).logits
-    torch.testing.assert_close(scheduler, own)
+    torch.testing.assert_close(scheduler[0, :4], own[0, :4])  # the text before the image: the same positions
+    assert not torch.allclose(scheduler[0, 4:], own[0, 4:])  # the image and the text after it: not
+    with pytest.raises(InvalidSpecError, match="M-RoPE"):
+        check_positions(model)
