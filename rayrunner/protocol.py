@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from rayrunner.models.keep_alive import KeepAlive, checked_keep_alive
 from rayrunner.unsupported_fields import (
+    OpenAIChatUnsupported,
     VllmChatUnsupported,
     VllmCompletionUnsupported,
     not_yet,
@@ -39,6 +40,7 @@ KeepAliveField = Annotated[KeepAlive, AfterValidator(checked_keep_alive), Field(
     "seconds, -1 forever, 0 unload right after); unset: the model's own.")]
 MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class StreamOptions(_Lenient):
@@ -233,7 +235,7 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingFields, VllmChatUnsupported):
+class ChatCompletionRequest(SamplingFields, OpenAIChatUnsupported, VllmChatUnsupported):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Same as max_tokens (wins over it).")
     logprobs: bool | None = Field(None, description="Return each output token's log probability.")
@@ -248,6 +250,10 @@ class ChatCompletionRequest(SamplingFields, VllmChatUnsupported):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="`auto` (default with tools), `none`, `required`, or one named function.")
     parallel_tool_calls: bool | None = Field(None, description="Allow several calls in one answer (default true).")
+    reasoning_effort: ReasoningEffort | None = Field(
+        None, description="How much a reasoning model thinks: the chat template's `reasoning_effort` variable (as "
+        "vLLM passes it; gpt-oss reads it), and Qwen3's `enable_thinking` switch where the template has one (off "
+        "for `none` and `minimal`, else on); a template that reads neither ignores it.")
     functions: Annotated[list[dict[str, Any]] | None, not_yet([], None)] = Field(
         None, description=not_yet_doc("Deprecated form of tools."))
     function_call: Annotated[str | dict[str, Any] | None, not_yet("none", None)] = Field(

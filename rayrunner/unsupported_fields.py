@@ -1,12 +1,13 @@
-"""Request fields rayrunner accepts only at their no-op values: the rule (`not_yet`), and the vLLM extensions to the
-OpenAI bodies that would change the answer but are not implemented.
+"""Request fields rayrunner accepts only at their no-op values: the rule (`not_yet`), the OpenAI chat fields and vLLM
+extensions to the OpenAI bodies that would change the answer but are not implemented.
 
 A client that sets one of them gets a 400 naming the field rather than an answer that silently ignores what it
 asked for. vLLM fields that change nothing here stay accepted and ignored, like any unknown field: `priority`,
 `request_id`, `session_id`, `kv_transfer_params`, `vllm_xargs`, `stream_interval` (how many tokens a
 streamed chunk holds, not what they say), `length_penalty` (beam search only), `truncation_side` (with
 `truncate_prompt_tokens` only), `guided_decoding_backend` and `guided_whitespace_pattern` (with a `guided_*` field
-only) and `spaces_between_special_tokens` (vLLM's detokenizer for fast tokenizers ignores it too). Pure pydantic.
+only) and `spaces_between_special_tokens` (vLLM's detokenizer for fast tokenizers ignores it too). So is OpenAI's
+`prediction` (Predicted Outputs): a hint that makes an answer faster, never different. Pure pydantic.
 """
 
 from __future__ import annotations
@@ -69,6 +70,15 @@ class VllmSamplingUnsupported(BaseModel):
     structured_outputs: RefusedUnlessSet = _vllm("structured output options (use `response_format`).")
     return_tokens_as_token_ids: Refused = _vllm("logprob tokens written as `token_id:N`.")
     return_token_ids: Refused = _vllm("the token ids of the prompt and the output.")
+
+
+class OpenAIChatUnsupported(BaseModel):
+    """OpenAI chat fields that ask for what rayrunner does not do: audio, web search."""
+
+    modalities: Annotated[Any, not_yet(None, ["text"])] = Field(
+        None, description=not_yet_doc('The output\'s modalities: only `["text"]`.'))
+    audio: RefusedUnlessSet = Field(None, description=not_yet_doc("Audio output: its voice and format."))
+    web_search_options: RefusedUnlessSet = Field(None, description=not_yet_doc("Search the web before answering."))
 
 
 class VllmChatUnsupported(VllmSamplingUnsupported):

@@ -31,12 +31,27 @@ def supports_tools(template: str) -> bool:
     return re.search(r"\btools\b", template) is not None
 
 
+def reasoning_switches(template: str | None, effort: str | None) -> dict[str, Any]:
+    """The chat-template variables for a request's `reasoning_effort`: `reasoning_effort` itself, as vLLM passes it
+    (gpt-oss's template reads it), and `enable_thinking` when the template has Qwen3's switch (off for `none` and
+    `minimal`, on for the rest); none without an effort, so each template's own default holds."""
+    if effort is None:
+        return {}
+    switches: dict[str, Any] = {"reasoning_effort": effort}
+    if template is not None and re.search(r"\benable_thinking\b", template):
+        switches["enable_thinking"] = effort not in ("none", "minimal")
+    return switches
+
+
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], tools: list[Tool] | None,
-                chat_template: str | None, tool_choice_none: bool = False, system_note: str | None = None) -> str:
+                chat_template: str | None, tool_choice_none: bool = False, system_note: str | None = None,
+                reasoning_effort: str | None = None) -> str:
     """The prompt text for a chat, generation prompt included. With `tool_choice_none` the tools are not offered
     (calls and results already in the history are still rendered). `system_note` is added to the system message
-    (e.g. the schema a JSON answer must follow). Only the text of content parts is used."""
+    (e.g. the schema a JSON answer must follow). `reasoning_effort` reaches the template's switches
+    (`reasoning_switches`). Only the text of content parts is used."""
     template = chat_template_text(tokenizer, chat_template, tools)
+    switches = reasoning_switches(template, reasoning_effort)
     offered = None if tool_choice_none else tools
     native = supports_tools(template)
     conversation = _template_messages(messages) if native else _text_messages(messages, offered)
@@ -44,21 +59,21 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage],
         _add_to_system(conversation, system_note)
     tool_dicts: list[Any] | None = (_tool_dicts(offered) or None) if native else None
     try:
-        return _apply(tokenizer, conversation, tool_dicts, template)
+        return _apply(tokenizer, conversation, tool_dicts, template, switches)
     except Exception as exc:
         merged = _system_in_first_user_turn(conversation)
         if merged is None:
             raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from None
         try:  # templates that refuse a system turn (Gemma, Gemma 2): its text opens the first user turn
-            return _apply(tokenizer, merged, tool_dicts, template)
+            return _apply(tokenizer, merged, tool_dicts, template, switches)
         except Exception:
             raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from None
 
 
 def _apply(tokenizer: PreTrainedTokenizerBase, conversation: list[Message], tools: list[Any] | None,
-           template: str) -> str:
+           template: str, switches: dict[str, Any]) -> str:
     return str(tokenizer.apply_chat_template(conversation, tools=tools, chat_template=template,
-                                             add_generation_prompt=True, tokenize=False))
+                                             add_generation_prompt=True, tokenize=False, **switches))
 
 
 def _system_in_first_user_turn(conversation: list[Message]) -> list[Message] | None:

@@ -27,7 +27,8 @@ class ChatTokens:
             raise UnsupportedRequestError("this is a text model: image inputs need a multimodal model")
         text = render_chat(self.tokenizer, request.messages, request.tools, self.spec.engine.chat_template,
                            tool_choice_none=request.tool_choice == "none",
-                           system_note=target.system_note if target else None)
+                           system_note=target.system_note if target else None,
+                           reasoning_effort=request.reasoning_effort)
         ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return ids
 

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
+from rayrunner.deployments.chat_prompt import reasoning_switches
 from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, bounded_max_tokens, describe
 from rayrunner.deployments.images import load_images
 from rayrunner.deployments.loading import load_model
@@ -79,7 +80,7 @@ class MultimodalEngine(Engine):
         params.constraint = self.grammars.for_target(json_target(request))
         conversation, urls = to_conversation(request.messages)
         images = await load_images(urls, self.spec.engine)
-        inputs = await run_single_threaded(self._inputs, conversation, images)
+        inputs = await run_single_threaded(self._inputs, conversation, images, request.reasoning_effort)
         prompt_ids = inputs["input_ids"][0].tolist()
         params.max_tokens = self._max_new_tokens(len(prompt_ids), params)
         extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
@@ -87,7 +88,9 @@ class MultimodalEngine(Engine):
         async for event in self.scheduler.generate(prompt_ids, params, detokenizer, self._eos_ids, extra):
             yield event
 
-    def _inputs(self, conversation: Conversation, images: list[Image.Image]) -> Any:
+    def _inputs(self, conversation: Conversation, images: list[Image.Image], reasoning_effort: str | None = None
+                ) -> Any:
+        template = self.spec.engine.chat_template or self._processor.chat_template
         return self._processor.apply_chat_template(
             conversation,
             chat_template=self.spec.engine.chat_template,
@@ -98,6 +101,7 @@ class MultimodalEngine(Engine):
             # User text may not write control tokens, so it cannot add image placeholders of its own.
             sanitize_control_tokens=True,
             processor_kwargs={"images": images},
+            **reasoning_switches(str(template) if template else None, reasoning_effort),
         ).to(self.loaded.device)
 
     def _max_new_tokens(self, prompt_tokens: int, params: SamplingParams) -> int:

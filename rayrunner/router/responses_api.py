@@ -18,7 +18,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, ValidationInfo, field
 from pydantic_core import PydanticCustomError
 
 from rayrunner.errors import client_error
-from rayrunner.protocol import DEFAULT_MODEL, KeepAliveField, StructuredOutputOptions
+from rayrunner.protocol import DEFAULT_MODEL, MAX_TOP_LOGPROBS, KeepAliveField, ReasoningEffort, StructuredOutputOptions
 
 
 def _new_id(prefix: str) -> str:
@@ -100,13 +100,23 @@ class TextConfig(BaseModel):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
+class ReasoningConfig(BaseModel):
+    effort: ReasoningEffort | None = Field(None, description="Chat's `reasoning_effort`: the chat template's "
+                                           "thinking switch.")
+    summary: Literal["auto", "concise", "detailed"] | None = Field(
+        None, description="Accepted; no summary is made: a thinking model's reasoning stays in the output text.")
+    generate_summary: Literal["auto", "concise", "detailed"] | None = Field(None, description="Older `summary`.")
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
 # field -> (the `type`s it takes, the type of an object without one)
 _SUPPORTED = {"input": (("message", "function_call", "function_call_output"), "message"),
               "tools": (("function",), "function"), "tool_choice": (("function",), "function")}
 
 
 class ResponsesRequest(BaseModel):
-    """`POST /v1/responses`. Unknown fields (`reasoning`, `include`, `truncation`, ...) are accepted and ignored."""
+    """`POST /v1/responses`. Unknown fields (`service_tier`, `prompt_cache_key`, ...) are accepted and ignored."""
 
     model: str | None = Field(None, description="Model id, alias, or `default` (also when omitted).")
     input: list[InputItem] | str = Field(description="A user message, or the conversation as a list of items: "
@@ -121,12 +131,23 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 or unset means greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, description="rayrunner extension, as in chat: seed for sampling.")
+    reasoning: ReasoningConfig | None = Field(None, description="`effort`: how much a reasoning model thinks.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Each output token's log "
+                                     "probability, with this many most likely alternatives.")
+    include: list[str] | None = Field(None, description=f"`{LOGPROBS_INCLUDE}` returns the output tokens' log "
+                                      "probabilities (as `top_logprobs` does); other values are ignored.")
+    truncation: Literal["auto", "disabled"] | None = Field(
+        None, description="`disabled` (default) or `auto`; an input that does not fit the model's context is a 400 "
+        "either way (`auto` does not drop items from its start).")
+    max_tool_calls: int | None = Field(None, ge=0, description="OpenAI's cap on built-in tool calls: holds "
+                                       "trivially, as only function tools are served (it does not cap those).")
     structured_output_options: StructuredOutputOptions | None = Field(
         None, description="rayrunner extension, as in chat: switches for how JSON answers are kept on the model's "
         "distribution.")
     stream: bool = False
     metadata: dict[str, Any] | None = Field(None, description="Accepted and ignored.")
-    user: str | None = Field(None, description="Accepted and ignored.")
+    user: str | None = Field(None, description="As in chat: a model with `routing: prefix` keeps a user's requests "
+                             "on one replica.")
     store: bool | None = Field(None, description="Accepted and ignored: nothing is stored.")
     previous_response_id: str | None = Field(None, description="Not supported (a 400): nothing is stored.")
     conversation: str | dict[str, Any] | None = Field(None, description="Not supported (a 400): nothing is stored.")
@@ -166,9 +187,16 @@ def to_chat_request(request: ResponsesRequest) -> dict[str, Any]:
         "tools": [_chat_tool(tool) for tool in request.tools] if request.tools else None,
         "tool_choice": _chat_tool_choice(request.tool_choice), "parallel_tool_calls": request.parallel_tool_calls,
         "response_format": _chat_format(request.text), "keep_alive": request.keep_alive, "seed": request.seed,
-        "structured_output_options": request.structured_output_options,
+        "structured_output_options": request.structured_output_options, "user": request.user,
+        "reasoning_effort": request.reasoning.effort if request.reasoning else None,
     }
+    if wants_logprobs(request):
+        chat.update(logprobs=True, top_logprobs=request.top_logprobs or 0)
     return {key: value for key, value in chat.items() if value is not None}
+
+
+def wants_logprobs(request: ResponsesRequest) -> bool:
+    return request.top_logprobs is not None or LOGPROBS_INCLUDE in (request.include or [])
 
 
 def _messages(items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem] | str) -> list[dict[str, Any]]:
@@ -238,8 +266,8 @@ def to_response(chat: dict[str, Any], request: ResponsesRequest) -> dict[str, An
     calls = [{**call, "index": i} for i, call in enumerate(message.get("tool_calls") or [])]
     delta = {"content": message.get("content"), "tool_calls": calls}
     stream = _EventStream(request)
-    stream.feed({"model": chat["model"], "usage": chat.get("usage"),
-                 "choices": [{"delta": delta, "finish_reason": choice.get("finish_reason")}]})
+    stream.feed({"model": chat["model"], "usage": chat.get("usage"), "choices": [
+        {"delta": delta, "finish_reason": choice.get("finish_reason"), "logprobs": choice.get("logprobs")}]})
     return dict(stream.finish()[-1]["response"])
 
 
@@ -258,6 +286,9 @@ def _response(response_id: str, created_at: int, model: str, request: ResponsesR
         "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else choice or "auto",
         "parallel_tool_calls": request.parallel_tool_calls is not False,
         "previous_response_id": None, "background": False, "metadata": request.metadata or {}, "user": request.user,
+        "reasoning": request.reasoning.model_dump() if request.reasoning else None,
+        "top_logprobs": request.top_logprobs, "truncation": request.truncation or "disabled",
+        "max_tool_calls": request.max_tool_calls,
     }
 
 
@@ -269,8 +300,19 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
             "total_tokens": input_tokens + output_tokens}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _logprobs(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat choice's token logprobs in the Responses shape (`bytes` always given)."""
+    return [_logprob(entry, top=True) for entry in (choice.get("logprobs") or {}).get("content") or []]
+
+
+def _logprob(entry: dict[str, Any], top: bool = False) -> dict[str, Any]:
+    token = entry["token"]
+    out = {"token": token, "bytes": entry.get("bytes") or list(token.encode()), "logprob": entry["logprob"]}
+    return {**out, "top_logprobs": [_logprob(alt) for alt in entry.get("top_logprobs") or []]} if top else out
 
 
 class _EventStream:
@@ -286,6 +328,7 @@ class _EventStream:
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being streamed, the last of `output`
         self.text = ""  # the open message's text so far
+        self.logprobs: list[dict[str, Any]] = []  # and its tokens' logprobs
         self.calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its item
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
@@ -304,7 +347,7 @@ class _EventStream:
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             if delta.get("content"):
-                events += self._text(delta["content"])
+                events += self._text(delta["content"], _logprobs(choice))
             for call in delta.get("tool_calls") or []:
                 events += self._call(call)
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
@@ -329,17 +372,19 @@ class _EventStream:
         return [self.event("response.created", response=self.snapshot("in_progress")),
                 self.event("response.in_progress", response=self.snapshot("in_progress"))]
 
-    def _text(self, delta: str) -> list[dict[str, Any]]:
+    def _text(self, delta: str, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         events = []
         if self.open is None or self.open["type"] != "message":
             item = {"id": _new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
                     "content": []}
             events = self._close("completed") + self._add(item)
             events.append(self.event("response.content_part.added", **self._where(), part=_text_part("")))
-            self.text = ""
+            self.text, self.logprobs = "", []
         if delta:
             self.text += delta
-            events.append(self.event("response.output_text.delta", **self._where(), delta=delta, logprobs=[]))
+            self.logprobs += logprobs or []
+            events.append(self.event("response.output_text.delta", **self._where(), delta=delta,
+                                     logprobs=logprobs or []))
         return events
 
     def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
@@ -374,9 +419,10 @@ class _EventStream:
         if item is None:
             return []
         if item["type"] == "message":
-            item["content"] = [_text_part(self.text)]
-            events = [self.event("response.output_text.done", **self._where(), text=self.text, logprobs=[]),
-                      self.event("response.content_part.done", **self._where(), part=_text_part(self.text))]
+            item["content"] = [_text_part(self.text, self.logprobs)]
+            events = [self.event("response.output_text.done", **self._where(), text=self.text,
+                                 logprobs=self.logprobs),
+                      self.event("response.content_part.done", **self._where(), part=item["content"][0])]
         else:
             events = [self.event("response.function_call_arguments.done", item_id=item["id"],
                                  output_index=len(self.output) - 1, arguments=item["arguments"])]

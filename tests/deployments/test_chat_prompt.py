@@ -125,3 +125,40 @@ def test_named_templates_give_the_tool_use_one_with_tools(tokenizer: Any) -> Non
     named.chat_template = None
     with pytest.raises(InvalidRequestError):
         render_chat(named, HISTORY, None, None)
+
+
+# The end of Qwen3's template: `enable_thinking` false opens the reply with an empty think block.
+THINKING_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+EFFORT_TEMPLATE = "{{ 'Reasoning: ' + (reasoning_effort | default('unset')) }}"  # as gpt-oss's reads it
+
+
+@pytest.mark.parametrize(("effort", "thinks"), [(None, True), ("none", False), ("minimal", False), ("low", True),
+                                                ("high", True)])
+def test_reasoning_effort_reaches_the_templates_thinking_switch(tokenizer: Any, effort: str | None,
+                                                                thinks: bool) -> None:
+    """Through the text engines' `chat_ids`, from the request as the router passes it on."""
+    from rayrunner.deployments.chat_tokens import ChatTokens
+    from rayrunner.models.spec import build_spec
+    from rayrunner.protocol import ChatCompletionRequest
+
+    class Chat(ChatTokens):
+        spec = build_spec("qwen3ish", {"type": "plain", "model_id": "m"}, engine={"chat_template": THINKING_TEMPLATE})
+
+    Chat.tokenizer = tokenizer
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}],
+                                                    "reasoning_effort": effort})
+    prompt = tokenizer.decode(Chat().chat_ids(request, None))
+    assert prompt.startswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt.endswith("assistant\n") is thinks and ("<think>" in prompt) is not thinks
+
+
+def test_reasoning_effort_is_a_template_variable_and_templates_without_a_switch_ignore_it(tokenizer: Any) -> None:
+    user = [ChatMessage(role="user", content="Hi")]
+    assert render_chat(tokenizer, user, None, EFFORT_TEMPLATE, reasoning_effort="high") == "Reasoning: high"
+    assert render_chat(tokenizer, user, None, EFFORT_TEMPLATE) == "Reasoning: unset"
+    assert render_chat(tokenizer, user, None, None, reasoning_effort="none") == render_chat(tokenizer, user, None, None)

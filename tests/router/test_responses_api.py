@@ -284,3 +284,59 @@ def test_keep_alive_reaches_the_chat_request() -> None:
     assert chat["keep_alive"] == "5m"
     assert parsed(ChatCompletionRequest, chat).keep_alive == "5m"
     assert "keep_alive" not in to_chat_request(parsed(ResponsesRequest, {"model": "m", "input": "hi"}))
+
+
+def test_reasoning_user_and_logprobs_reach_the_chat_request() -> None:
+    body = chat_body(reasoning={"effort": "none", "summary": "auto"}, user="u-7", top_logprobs=3)
+    assert (body["reasoning_effort"], body["user"], body["logprobs"], body["top_logprobs"]) == ("none", "u-7", True, 3)
+    included = chat_body(include=["message.output_text.logprobs", "reasoning.encrypted_content"])
+    assert (included["logprobs"], included["top_logprobs"]) == (True, 0)
+    plain = chat_body(reasoning={"summary": "auto"}, truncation="auto", max_tool_calls=2)
+    assert not {"reasoning_effort", "logprobs", "top_logprobs", "user"} & set(plain)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"reasoning": {"effort": "extreme"}}, "reasoning"), ({"top_logprobs": 21}, "top_logprobs"),
+     ({"truncation": "middle"}, "truncation"), ({"max_tool_calls": -1}, "max_tool_calls")],
+)
+def test_bad_values_of_the_mapped_fields_name_them(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        request(**fields)
+    assert caught.value.param == param
+
+
+LOGPROBS = {"content": [{"token": "Par", "logprob": -0.5, "bytes": [80, 97, 114],
+                         "top_logprobs": [{"token": "Par", "logprob": -0.5, "bytes": [80, 97, 114]},
+                                          {"token": "Lon", "logprob": -1.5, "bytes": None}]},
+                        {"token": "is", "logprob": -0.1, "top_logprobs": []}]}
+
+
+def test_response_echoes_the_mapped_settings_and_holds_the_logprobs() -> None:
+    asked = request(reasoning={"effort": "low"}, top_logprobs=1, truncation="auto", max_tool_calls=3, user="u")
+    answer = chat("Paris")
+    answer["choices"][0]["logprobs"] = LOGPROBS
+    body = to_response(answer, asked)
+    response = Response.model_validate(body)
+    assert response.reasoning is not None and response.reasoning.effort == "low"
+    assert (response.top_logprobs, response.truncation, response.max_tool_calls, response.user) == (1, "auto", 3, "u")
+    text = response.output[0].content[0]  # type: ignore[union-attr]
+    assert [(lp.token, lp.bytes, lp.logprob) for lp in text.logprobs] == [("Par", [80, 97, 114], -0.5),
+                                                                          ("is", [105, 115], -0.1)]
+    assert [(alt.token, alt.bytes) for alt in text.logprobs[0].top_logprobs] == [("Par", [80, 97, 114]),
+                                                                                 ("Lon", [76, 111, 110])]
+    assert to_response(chat("x"), request())["truncation"] == "disabled"
+
+
+async def test_streamed_logprobs_ride_on_their_deltas_and_the_done_events() -> None:
+    async def stream() -> AsyncIterator[dict[str, Any]]:
+        for text, entry in (("Par", LOGPROBS["content"][0]), ("is", LOGPROBS["content"][1])):
+            yield {"id": "c", "model": "smollm2", "choices": [
+                {"index": 0, "delta": {"content": text}, "finish_reason": None, "logprobs": {"content": [entry]}}]}
+
+    events = await collect(stream(), request(stream=True, top_logprobs=1))
+    deltas = [event["logprobs"] for event in events if event["type"] == "response.output_text.delta"]
+    assert [[lp["token"] for lp in logprobs] for logprobs in deltas] == [["Par"], ["is"]]
+    done = next(event for event in events if event["type"] == "response.output_text.done")
+    assert [lp["token"] for lp in done["logprobs"]] == ["Par", "is"]
+    assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == done["logprobs"]

@@ -154,3 +154,28 @@ def test_vllm_length_and_text_settings_are_declared() -> None:
     with pytest.raises(InvalidRequestError) as caught:
         chat(min_tokens=-1)
     assert caught.value.param == "min_tokens"
+
+
+@pytest.mark.parametrize(("field", "value"), [("modalities", ["text", "audio"]), ("modalities", ["audio"]),
+                                              ("audio", {"voice": "alloy", "format": "wav"}),
+                                              ("web_search_options", {}),
+                                              ("web_search_options", {"search_context_size": "low"})])
+def test_openai_chat_fields_not_implemented_are_refused(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        chat(**{field: value})
+    assert caught.value.param == field and caught.value.status == 400
+    assert "is not supported yet" in caught.value.message
+
+
+def test_openai_chat_fields_at_their_defaults_or_only_faster_are_accepted() -> None:
+    body = chat(modalities=["text"], audio=None, web_search_options=None,
+                prediction={"type": "content", "content": "print('hi')"})
+    assert body["modalities"] == ["text"] and "prediction" not in body  # a latency hint: the answer is the same
+
+
+def test_reasoning_effort_is_kept_for_the_chat_template() -> None:
+    assert chat(reasoning_effort="minimal")["reasoning_effort"] == "minimal"
+    assert chat()["reasoning_effort"] is None
+    with pytest.raises(InvalidRequestError) as caught:
+        chat(reasoning_effort="extreme")
+    assert caught.value.param == "reasoning_effort"
