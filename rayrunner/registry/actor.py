@@ -40,11 +40,13 @@ from rayrunner.errors import (
     unwrap,
 )
 from rayrunner.models import load_progress
+from rayrunner.models.source_policy import carrying
 from rayrunner.models.sources import cache_dir
 from rayrunner.models.spec import ModelSpec
 from rayrunner.registry.capacity import InFlightBook
 from rayrunner.registry.config import RegistryConfig
 from rayrunner.registry.eviction import CapacityMixin
+from rayrunner.registry.lifecycle import Phase
 from rayrunner.registry.model_apps import ModelApps, ServeModelApps
 from rayrunner.registry.replica_watch import watch_replicas
 from rayrunner.registry.state import ModelEntry, ModelRecord, RegistryState, UnloadMode
@@ -74,6 +76,8 @@ class Registry(CapacityMixin):
         self._room = asyncio.Lock()  # one load at a time makes room, so two never count the same free slot
         self._in_flight = InFlightBook()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._claims: dict[str, float] = {}  # models just loaded for a request (see `CapacityMixin._claim`)
+        self._room_changed = asyncio.Event()  # set (and replaced) whenever room may have come free
         self._idle_timer: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ start-up
@@ -114,28 +118,30 @@ class Registry(CapacityMixin):
             if model_id in self._loads:
                 continue
             if self.state.host_of(model_id) is not None:  # served by its host's replica: loads with the host
-                record.status = "unloaded"
+                record.observe(Phase.STOPPED)
                 continue
             state = await self.apps.state(record.spec.app_name)
             running = state.running >= 1 and state.deployment_status == "HEALTHY"
             starting = state.exists and state.deployment_status not in ("HEALTHY", "DEPLOY_FAILED", "UNHEALTHY")
             if (running or starting) and model_id in respecified and not await self._runs_spec(record.spec):
+                record.observe(Phase.LOADED)
                 if running and model_id in rescaled:
-                    record.status = "loaded"
                     self._spawn(self._rescale(record))
                 else:
                     logger.info("config: redeploying `%s`, which runs the spec the config replaced", model_id)
                     self._start_load(record, mode="replace")
             elif running and await self.apps.replica_asleep(record.spec.app_name):  # running is known: ask the replica
-                record.status, record.unload_mode = "unloaded", "sleep"
+                record.observe(Phase.ASLEEP)
             elif running:
-                record.status = "loaded"
+                record.observe(Phase.LOADED)
             elif starting:
+                record.observe(Phase.STOPPED)
                 self._start_load(record, mode="adopt")  # a config deploy or a scale-up is under way
             elif model_id in to_load or record.status in ("loaded", "reloading"):
+                record.observe(Phase.STOPPED)
                 self._start_load(record)
             else:
-                record.status = "unloaded"
+                record.observe(Phase.FAILED if record.phase == Phase.FAILED else Phase.STOPPED)
         self._persist()
 
     async def _runs_spec(self, spec: ModelSpec) -> bool:
@@ -212,6 +218,7 @@ class Registry(CapacityMixin):
         record.last_used_at = time.time()
         if record.status != "loaded":
             await asyncio.shield(self._loads.get(record.spec.model_id) or self._start_load(record))
+        self._claim(record.spec.model_id)
         return record.spec.model_id
 
     async def reload(self, name: str) -> dict[str, Any]:
@@ -255,14 +262,15 @@ class Registry(CapacityMixin):
         model_id = parsed.spec.model_id
         if model_id in self.state.models:
             self._changeable(model_id)
-            self.state.attach(parsed.spec, parsed.aliases).configure(parsed)
+            registered = self.state.models[model_id].spec.engine.sources  # set by the registry, never by a caller
+            self.state.attach(carrying(parsed.spec, registered), parsed.aliases).configure(parsed)
             self._persist()
             if parsed.load:
                 await self.ensure_loaded(model_id)
             return {**self._card(model_id), "attached": True}
-        self.config.sources.check(parsed.spec.which)  # a new model added at runtime: only from allowed sources
+        spec = self.config.sources.confine(parsed.spec)  # a new model added at runtime: allowed sources and settings
         self.state.check_new(model_id, parsed.aliases)
-        record = self.state.add(parsed.spec, parsed.aliases)
+        record = self.state.add(spec, parsed.aliases)
         record.configure(parsed)
         self._persist()
         if parsed.load:
@@ -344,11 +352,11 @@ class Registry(CapacityMixin):
             raise ModelNotFoundError(record.spec.model_id)
 
     def _start_load(self, record: ModelRecord, mode: LoadMode = "deploy") -> asyncio.Task[None]:
-        """Mark the model `reloading` now (so later callers join), and load it in a task: `deploy` its spec,
-        `adopt` a deploy already under way, or `replace` a running app (deleted first, so the old replica is gone
-        before the new one loads, and its memory with it)."""
+        """Queue the model's load now (`reloading`, so later callers join), and load it in a task once it has room:
+        `deploy` its spec, `adopt` a deploy already under way, or `replace` a running app (deleted first, so the old
+        replica is gone before the new one loads, and its memory with it)."""
         model_id = record.spec.model_id
-        record.status = "reloading"
+        record.move(Phase.WAITING)
         self._persist()
         task = asyncio.get_running_loop().create_task(self._load(record, mode))
         self._loads[model_id] = task
@@ -364,8 +372,11 @@ class Registry(CapacityMixin):
         spec = record.spec
         async with self._lock(spec.model_id):
             self._check_current(record)  # removed while this load waited: deploy nothing
-            if mode != "adopt":
+            if mode == "adopt":  # already deployed: it holds its room whatever the limits say
+                record.move(Phase.LOADING)
+            else:
                 await self._room_or_unloaded(record)
+            self._persist()
             started = time.monotonic()
             try:
                 record.info, deployed_at = await self._replica_up(record, mode)
@@ -377,12 +388,11 @@ class Registry(CapacityMixin):
                 if isinstance(refused, UnplaceableModelError):  # no node can hold it: a 400, not a load failure
                     raise refused from None
                 raise ModelLoadError(record.last_error or str(exc)) from None
-            record.status = "loaded"
+            record.move(Phase.LOADED)
             record.loaded_at = time.time()
             record.load_seconds = time.monotonic() - started
             record.last_error = None
             record.unloaded_reason = None
-            record.unload_mode = None
             record.load_count += 1
             self._persist()
             metrics.model_loaded(spec.model_id, record.load_seconds, record.info.get("weight_bytes"))
@@ -418,12 +428,13 @@ class Registry(CapacityMixin):
             await self._bring_up(record.spec, record.deployed_version)
 
     async def _room_or_unloaded(self, record: ModelRecord) -> None:
-        """Make room for the load; when there is none (too large, or no room in time) the model goes back to
-        `unloaded` and the capacity error reaches the waiters as it is (a 400 or a 503, not a load failure)."""
+        """Make room for the load (the model moves to `loading`); when there is none (too large, or no room in
+        time) it goes back to where it was (asleep if its replica sleeps, else stopped) and the capacity error
+        reaches the waiters as it is (a 400 or a 503, not a load failure)."""
         try:
             await self._make_room(record)
         except Exception:
-            record.status = "unloaded"
+            record.move(Phase.ASLEEP if record.unload_mode == "sleep" else Phase.STOPPED)
             self._persist()
             raise
 
@@ -442,9 +453,8 @@ class Registry(CapacityMixin):
         self._persist()
 
     def _mark_unloaded(self, record: ModelRecord, reason: str, mode: UnloadMode) -> None:
-        record.status = "unloaded"
+        record.move(Phase.ASLEEP if mode == "sleep" else Phase.STOPPED)
         record.unloaded_reason = reason
-        record.unload_mode = mode
         record.request_keep_alive = None
         metrics.model_unloaded(record.spec.model_id, reason, mode)
         self._persist()
@@ -470,7 +480,7 @@ class Registry(CapacityMixin):
         """Never leave a model stuck: back to `unloaded`, the cause in `last_error`, no half-started app."""
         error = as_rayrunner_error(exc)
         metrics.model_load_failed(record.spec.model_id)
-        record.status = "unloaded"
+        record.move(Phase.FAILED)
         record.last_error = ModelLoadError(error.message).message
         record.info = {}
         self._persist()
@@ -486,6 +496,7 @@ class Registry(CapacityMixin):
         self._changes += 1
         self._changed.set()  # wakes every routing_table long poll; later polls wait on a fresh event
         self._changed = asyncio.Event()
+        self._capacity_changed()
 
 
 RegistryActor = ray.remote(Registry)

@@ -13,6 +13,7 @@ from rayrunner.errors import ModelTooLargeError
 IDLE = "idle"
 EVICTED_MODELS = "evicted: max_loaded_models"
 EVICTED_BYTES = "evicted: max_loaded_bytes"
+EVICTED_ASLEEP = "evicted: max_asleep_models"
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,12 @@
 """The registry's use and capacity book-keeping: in-flight counts from the routers, room made before a load by
 evicting idle models (`max_loaded_models`, `max_loaded_bytes`), and the keep_alive timer.
 
+A load waiting for room holds none (`lifecycle.Phase.WAITING`): room is counted over loading and loaded models
+only, so loads queued past the cap never wait on one another. Waiting loads take room one at a time, first come
+first served (the room lock is fair and never held while a load waits); one that gets none within
+`load_timeout_s` fails alone with a 503. A model just loaded for a request is protected from eviction until the
+router's next usage report counts that request (`_claims`).
+
 A mixin of `rayrunner.registry.actor.Registry`, kept apart so each file holds one concept; it relies on the registry's
 state, config, per-model locks and `_unload`.
 """
@@ -8,6 +14,7 @@ state, config, per-model locks and `_unload`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -15,13 +22,15 @@ from typing import Any
 from rayrunner.errors import CapacityError
 from rayrunner.models.footprint import estimate_bytes
 from rayrunner.models.keep_alive import KeepAlive, idle_deadline
-from rayrunner.registry.capacity import IDLE, InFlightBook, Limits, Occupant, plan_room
+from rayrunner.registry.capacity import EVICTED_ASLEEP, IDLE, InFlightBook, Limits, Occupant, plan_room
 from rayrunner.registry.config import RegistryConfig
+from rayrunner.registry.lifecycle import OCCUPYING, Phase
 from rayrunner.registry.state import ModelRecord, RegistryState, UnloadMode
 
 logger = logging.getLogger(__name__)
-_ROOM_POLL_S = 0.5  # how often a load waiting for room re-checks whether a model became evictable
+_ROOM_POLL_S = 0.5  # longest a load waiting for room goes without re-checking (a change wakes it sooner)
 _IDLE_POLL_S = 0.5  # how often the keep_alive timer looks for models whose time is up
+CLAIM_S = 2.0  # a model loaded for a request stays protected this long, unless a usage report counts it first
 
 
 class CapacityMixin:
@@ -31,6 +40,8 @@ class CapacityMixin:
     _room: asyncio.Lock
     _loads: dict[str, asyncio.Task[None]]
     _tasks: set[asyncio.Task[None]]
+    _claims: dict[str, float]
+    _room_changed: asyncio.Event
 
     def _lock(self, model_id: str) -> asyncio.Lock:
         raise NotImplementedError
@@ -43,44 +54,73 @@ class CapacityMixin:
         """A router replica's batch: its open requests per model now, and per model used since its last report the
         last use time and that request's own keep_alive (None: the model's)."""
         self._in_flight.report(router_id, in_flight, time.time())
+        for model_id in in_flight:  # counted now: the in-flight book protects it
+            self._claims.pop(model_id, None)
         for model_id, (at, keep_alive) in used.items():
+            if at >= self._claims.get(model_id, float("inf")):  # the router has seen its request since
+                self._claims.pop(model_id, None)
             record = self.state.models.get(model_id)
             if record is not None:
                 record.last_used_at = max(record.last_used_at or 0.0, at)
                 record.request_keep_alive = keep_alive
+        self._capacity_changed()
+
+    def _claim(self, model_id: str) -> None:
+        """`model_id` was just made ready for a request the routers may not have reported yet."""
+        self._claims[model_id] = time.time()
 
     def _busy(self, model_id: str) -> bool:
-        return self._in_flight.count(model_id, time.time()) > 0
+        now = time.time()
+        if now - self._claims.get(model_id, -CLAIM_S) < CLAIM_S:
+            return True
+        return self._in_flight.count(model_id, now) > 0
+
+    def _capacity_changed(self) -> None:
+        """Wake the loads waiting for room: a model changed phase, or became idle."""
+        self._room_changed.set()
+        self._room_changed = asyncio.Event()
 
     async def _make_room(self, record: ModelRecord) -> None:
-        """Before a load: evict idle models until the new one fits; wait (up to the load timeout) while only busy
-        or pinned models stand in the way. Raises ModelTooLargeError or CapacityError."""
+        """Before a load (the model is `waiting_for_room`): evict idle models until it fits, then move it to
+        `loading`; wait (up to the load timeout) while only busy, pinned or loading models stand in the way.
+        Raises ModelTooLargeError or CapacityError."""
         limits = Limits(self.config.max_loaded_models, self.config.max_loaded_bytes)
         if limits == Limits():
+            record.move(Phase.LOADING)
             return
         deadline = time.monotonic() + self.config.load_timeout_s
-        async with self._room:
-            new_bytes = await self._footprint(record)
-            while True:
-                plan = plan_room(limits, await self._occupants(record.spec.model_id), new_bytes)
-                if not plan.blocked and not plan.victims:
+        new_bytes = await self._footprint(record)
+        while True:
+            changed = self._room_changed
+            async with self._room:
+                if await self._take_room(record, limits, new_bytes):
                     return
-                if not plan.blocked:
-                    await asyncio.gather(*(self._evict(victim, reason) for victim, reason in plan.victims))
-                    continue
-                if time.monotonic() > deadline:
-                    raise CapacityError(f"no room to load `{record.spec.model_id}`: the other models are pinned, "
-                                        f"busy or loading, and none became free within "
-                                        f"{self.config.load_timeout_s:.0f} s")
-                await asyncio.sleep(_ROOM_POLL_S)
+            if time.monotonic() > deadline:
+                raise CapacityError(f"no room to load `{record.spec.model_id}`: the other models are pinned, "
+                                    f"busy or loading, and none became free within "
+                                    f"{self.config.load_timeout_s:.0f} s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), _ROOM_POLL_S)
+
+    async def _take_room(self, record: ModelRecord, limits: Limits, new_bytes: int) -> bool:
+        """Under the room lock: evict what the plan names, and take the room (move to `loading`) if it is there
+        now. The plan and the move have no `await` between them, so no other load counts the same room."""
+        plan = plan_room(limits, await self._occupants(record.spec.model_id), new_bytes)
+        if not plan.blocked and plan.victims:
+            await asyncio.gather(*(self._evict(victim, reason) for victim, reason in plan.victims))
+            plan = plan_room(limits, await self._occupants(record.spec.model_id), new_bytes)
+        if plan.blocked or plan.victims:
+            return False
+        record.move(Phase.LOADING)
+        return True
 
     async def _occupants(self, loading: str) -> list[Occupant]:
-        """Every other model that holds memory or is about to (loaded or loading)."""
+        """Every other model that holds memory or is about to (loaded, or loading with its room taken)."""
         occupants = []
         for model_id, record in list(self.state.models.items()):
-            if model_id == loading or record.status == "unloaded":
+            if model_id == loading or record.phase not in OCCUPYING:
                 continue
-            evictable = record.status == "loaded" and not self.state.pinned(model_id) and not self._busy(model_id)
+            evictable = record.phase == Phase.LOADED and not self.state.pinned(model_id) and not self._busy(model_id)
             occupants.append(Occupant(model_id, await self._footprint(record), record.last_used_at or 0.0,
                                       record.load_seconds or 0.0, evictable))
         return occupants
@@ -99,17 +139,31 @@ class CapacityMixin:
         reason is capacity."""
         if not self._evictable(model_id, reason):
             return  # checked before the lock too: a model that began loading holds its lock while it waits for room
+        mode = self.config.idle_unload_mode if reason == IDLE else self.config.evict_mode
         async with self._lock(model_id):
-            if self._evictable(model_id, reason):
-                logger.info("unloading `%s` (%s)", model_id, reason)
-                mode = self.config.idle_unload_mode if reason == IDLE else "stop"
-                await self._unload(self.state.models[model_id], reason, mode)
+            if not self._evictable(model_id, reason):
+                return
+            logger.info("unloading `%s` (%s, %s)", model_id, reason, mode)
+            await self._unload(self.state.models[model_id], reason, mode)
+        if mode == "sleep":
+            await self._keep_asleep_within_limit()
+
+    async def _keep_asleep_within_limit(self) -> None:
+        """Stop the least recently used sleeping models past `max_asleep_models` (their replicas exit)."""
+        limit = self.config.max_asleep_models
+        asleep = sorted((r for r in self.state.models.values() if r.phase == Phase.ASLEEP),
+                        key=lambda r: r.last_used_at or 0.0)
+        for record in asleep[:max(0, len(asleep) - limit)] if limit is not None else []:
+            async with self._lock(record.spec.model_id):
+                if record.phase == Phase.ASLEEP and self.state.models.get(record.spec.model_id) is record:
+                    logger.info("stopping `%s` (asleep: max_asleep_models)", record.spec.model_id)
+                    await self._unload(record, EVICTED_ASLEEP, "stop")
 
     def _evictable(self, model_id: str, reason: str) -> bool:
         record = self.state.models.get(model_id)
         # keep_alive applies to pinned models
         pin_holds = record is not None and reason != IDLE and self.state.pinned(model_id)
-        return record is not None and record.status == "loaded" and not pin_holds and not self._busy(model_id)
+        return record is not None and record.phase == Phase.LOADED and not pin_holds and not self._busy(model_id)
 
     async def _watch_idle(self) -> None:
         """The keep_alive timer: unload each loaded, idle model whose keep_alive ran out since its last use."""
@@ -124,7 +178,7 @@ class CapacityMixin:
     def _expired(self, now: float) -> list[str]:
         expired = []
         for model_id, record in self.state.models.items():
-            if record.status != "loaded" or model_id in self._loads or self._busy(model_id):
+            if record.phase != Phase.LOADED or model_id in self._loads or self._busy(model_id):
                 continue
             since = max(record.last_used_at or 0.0, record.loaded_at or 0.0)
             deadline = idle_deadline(since, record.effective_keep_alive())

@@ -12,9 +12,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from rayrunner.errors import (
     AliasConflictError,
@@ -28,12 +28,10 @@ from rayrunner.models.keep_alive import KeepAlive, checked_keep_alive
 from rayrunner.models.spec import ModelSpec
 from rayrunner.models.which import Lora, Plain
 from rayrunner.protocol import DEFAULT_MODEL
+from rayrunner.registry.lifecycle import STATUS, Phase, Status, UnloadMode, check_move, phase_of, unload_mode
 
 if TYPE_CHECKING:
     from rayrunner.registry.config import RegistryConfig
-
-Status = Literal["loaded", "unloaded", "reloading"]
-UnloadMode = Literal["stop", "sleep"]
 
 
 def spec_differences(old: ModelSpec, new: ModelSpec) -> list[str]:
@@ -76,6 +74,8 @@ class ModelEntry(BaseModel):
 
 class ModelRecord(BaseModel):
     spec: ModelSpec
+    phase: Phase = Field(Phase.STOPPED, description="Where the model is in its lifecycle "
+                         "(`rayrunner.registry.lifecycle`); `status` and `unload_mode` follow from it.")
     status: Status = "unloaded"
     aliases: list[str] = Field(default_factory=list)
     registered_at: float = Field(default_factory=time.time)
@@ -97,6 +97,25 @@ class ModelRecord(BaseModel):
     estimated_bytes: int | None = Field(None, description="Weights and KV reserve (under max_loaded_bytes only).")
     deployed_version: str | None = Field(None, description="The Serve version of the load now running; a new "
                                          "replica count is deployed as it, so Serve rescales in place.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _phase_from_status(cls, data: Any) -> Any:
+        """A state file saved before phases existed: the phase its status and unload mode describe."""
+        if isinstance(data, dict) and "phase" not in data:
+            return {**data, "phase": phase_of(data.get("status", "unloaded"), data.get("unload_mode"))}
+        return data
+
+    def move(self, phase: Phase) -> None:
+        """Change phase by a move of the lifecycle table (raises `LifecycleError` for any other)."""
+        check_move(self.spec.model_id, self.phase, phase)
+        self.observe(phase)
+
+    def observe(self, phase: Phase) -> None:
+        """Set the phase that Serve shows the model in, whatever it was (only reconciliation does this)."""
+        self.phase, self.status = phase, STATUS[phase]
+        if self.status != "reloading":  # a load keeps how the model was unloaded: a sleeping replica is woken
+            self.unload_mode = unload_mode(phase)
 
     def configure(self, entry: ModelEntry) -> None:
         """Take the entry's pinned and keep_alive where it sets them."""
