@@ -3,6 +3,7 @@ load from, request limits and API keys. Validated when a config is applied; the 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from typing import Any
 
@@ -14,14 +15,43 @@ from rayrunner.registry.state import ModelEntry, RegistryState, UnloadMode
 
 
 class ApiKeys(BaseModel):
+    """The router's `auth`: who may call which routes, and whether the service may serve beyond loopback open."""
+
     model_config = ConfigDict(extra="forbid")
-    api_keys: list[str] = Field(default_factory=list, description="Keys for the inference routes (and reads).")
+    api_keys: list[str] = Field(default_factory=list, description="Keys for the inference routes (and reads). "
+                                "Set without `admin_api_keys`, the admin routes are off over HTTP (403).")
     admin_api_keys: list[str] = Field(default_factory=list, description="Keys for the admin routes (and all).")
+    allow_open: bool = Field(False, description="Serve with no keys at all on an HTTP host other machines can "
+                             "reach (`0.0.0.0`, `::`, a non-loopback address): anyone who reaches it may then add, "
+                             "remove, unload and scale models. Off: such a service refuses to start.")
 
     def with_environment(self) -> ApiKeys:
         """These keys plus `RAYRUNNER_API_KEYS` / `RAYRUNNER_ADMIN_API_KEYS` (comma-separated)."""
         return ApiKeys(api_keys=self.api_keys + _env_keys("RAYRUNNER_API_KEYS"),
-                       admin_api_keys=self.admin_api_keys + _env_keys("RAYRUNNER_ADMIN_API_KEYS"))
+                       admin_api_keys=self.admin_api_keys + _env_keys("RAYRUNNER_ADMIN_API_KEYS"),
+                       allow_open=self.allow_open)
+
+    def check_http_host(self, host: str | None) -> None:
+        """Refuse an HTTP bind other machines can reach when no key (here or in the environment) guards it and
+        `allow_open` is off. `host` None: Serve runs no HTTP proxy."""
+        keys = self.with_environment()
+        if host is None or self.allow_open or keys.api_keys or keys.admin_api_keys or is_loopback(host):
+            return
+        raise InvalidRequestError(
+            f"HTTP host `{host}` is reachable from other machines and no API keys are set, so anyone who reaches "
+            "it could add, remove, unload and scale models: set auth.admin_api_keys (or RAYRUNNER_ADMIN_API_KEYS), "
+            "bind 127.0.0.1, or set auth.allow_open: true to serve it open on purpose", param="auth.allow_open")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an HTTP bind host is reachable only from this machine: `localhost`, 127.0.0.0/8, `::1`. A name
+    other than `localhost` may resolve to any address, so it counts as reachable."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class RequestLimits(BaseModel):
@@ -68,6 +98,12 @@ class RegistryConfig(BaseModel):
                                           "first unloads idle models, least recently used first (default: no limit).")
     max_loaded_bytes: int | None = Field(None, ge=1, description="Most estimated bytes (weights and KV reserve) "
                                          "loaded at once, enforced the same way (default: no limit).")
+    evict_mode: UnloadMode = Field("sleep", description="How a model evicted to make room is unloaded: `sleep` "
+                                   "(its replica stays with the weights parked, and wakes in a fraction of a load) "
+                                   "or `stop` (no replica; the next request cold-starts it).")
+    max_asleep_models: int | None = Field(4, ge=0, description="Most models asleep at once; past it the least "
+                                          "recently used sleeping one is stopped (a sleeping replica still holds "
+                                          "its process, ~0.5 GB on CPU). None: no limit.")
     sources: SourcePolicy = Field(default_factory=SourcePolicy, description="Where models added at runtime may "
                                   "load from (default: builtin models only).")
     limits: RequestLimits = Field(default_factory=RequestLimits, description="Body size, tokens, time per request.")
