@@ -1,9 +1,11 @@
 """Turn the image URLs of a chat request into RGB PIL images, safely.
 
-`data:image/...;base64,...` URLs are decoded in the replica. Remote `http(s)://` URLs are refused unless they start
-with a prefix in `engine.image_url_allowlist`; allowed ones are fetched with a time limit, without following
-redirects (which could leave the allow-list), and with the size capped while the body streams in. Every problem is
-an `InvalidRequestError` (HTTP 400) on `messages`, since the client sent the URL.
+`data:image/...;base64,...` URLs are decoded in the replica. Remote `http(s)://` URLs are refused unless an entry of
+`engine.image_url_allowlist` admits them: the same scheme, host (case-insensitive) and port (the scheme's default when
+the entry names none), and a path that starts with the entry's path segments, whole segments only. URLs with user
+info, or with dot or encoded-slash segments, are refused. Allowed ones are fetched with a time limit, without
+following redirects (which could leave the allow-list), and with the size capped while the body streams in. Every
+problem is an `InvalidRequestError` (HTTP 400) on `messages`, since the client sent the URL.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import base64
 import binascii
 import io
+from urllib.parse import unquote
 
 import httpx
 from PIL import Image
@@ -62,12 +65,49 @@ def _from_data_url(url: str, max_bytes: int) -> bytes:
 
 
 def _check_allowed(url: str, allowlist: list[str]) -> None:
-    if not any(url.startswith(prefix) for prefix in allowlist):
+    target = _parsed(url)
+    if target is None:
+        raise InvalidRequestError(f"image URL `{url}` is not a valid http(s) URL with a host", param=_PARAM)
+    if target.userinfo:  # not echoed: it may hold a password
+        raise InvalidRequestError("image URLs may not carry user info (`user@host`)", param=_PARAM)
+    segments = _segments(target)
+    if segments is None:
+        raise InvalidRequestError(f"image URL `{url}` has a dot or encoded-slash path segment", param=_PARAM)
+    if not any(_admits(entry, target, segments) for entry in allowlist):
         raise InvalidRequestError(
-            "remote image URLs are disabled; allow-list a prefix in engine.image_url_allowlist "
+            "remote image URLs are disabled; allow-list a URL prefix in engine.image_url_allowlist "
             "or send the image as a base64 data URL",
             param=_PARAM,
         )
+
+
+def _parsed(url: str) -> httpx.URL | None:
+    """`url` as httpx (which fetches it) reads it; None when it is not an http(s) URL with a host."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL:
+        return None
+    return parsed if parsed.scheme in ("http", "https") and parsed.host else None
+
+
+def _segments(url: httpx.URL) -> list[str] | None:
+    """The decoded segments of `url`'s path, without empty ones; None when one of them is `.` or `..` or holds a
+    slash once decoded (a server could resolve those outside the prefix)."""
+    raw = url.raw_path.split(b"?", 1)[0].decode("latin-1")  # percent-encoded by httpx: ASCII
+    segments = [unquote(segment) for segment in raw.split("/") if segment]
+    if any(segment in (".", "..") or "/" in segment or "\\" in segment for segment in segments):
+        return None
+    return segments
+
+
+def _admits(entry: str, target: httpx.URL, segments: list[str]) -> bool:
+    """Whether the allow-list `entry` admits `target`: same scheme, host and port, and a path under the entry's."""
+    allowed = _parsed(entry)
+    if allowed is None or allowed.userinfo:
+        return False
+    prefix = _segments(allowed)
+    same_origin = (allowed.scheme, allowed.host, allowed.port) == (target.scheme, target.host, target.port)
+    return same_origin and prefix is not None and segments[: len(prefix)] == prefix
 
 
 async def _fetch(url: str, settings: EngineSettings) -> bytes:

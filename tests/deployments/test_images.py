@@ -1,4 +1,5 @@
-"""Image URL handling: data URLs, limits, refused schemes, and allow-listed fetches from a local HTTP server."""
+"""Image URL handling: data URLs, limits, refused schemes, the allow-list's matching (scheme, host, port, whole path
+segments; no user info), and allow-listed fetches from a local HTTP server."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from PIL import Image
 
-from rayrunner.deployments.images import load_image, load_images
+from rayrunner.deployments.images import _check_allowed, load_image, load_images
 from rayrunner.errors import InvalidRequestError
 from rayrunner.models.spec import EngineSettings
 from tests.tiny_models import image_data_url
@@ -128,6 +129,65 @@ async def test_allow_listed_prefix_is_fetched(server: str) -> None:
 async def test_allow_list_is_a_prefix_match(server: str) -> None:
     settings = EngineSettings(image_url_allowlist=[server + "images/"])
     await _refused(server + "red.png", settings, "remote image URLs are disabled")
+
+
+ADMITTED = [
+    ("https://a.com", "https://a.com/x.png"),
+    ("https://a.com", "https://A.com/x.png"),  # hosts compare case-insensitively
+    ("https://A.COM/img", "https://a.com/img/x.png"),
+    ("https://a.com/img", "https://a.com/img/x.png"),
+    ("https://a.com/img/", "https://a.com/img/x.png"),
+    ("https://a.com/img", "https://a.com/img?size=2"),
+    ("https://a.com/img", "https://a.com/%69mg/x.png"),  # the same segment, percent-encoded
+    ("https://a.com", "https://a.com:443/x.png"),  # the scheme's default port
+    ("https://a.com:8443/img", "https://a.com:8443/img/x.png"),
+]
+REFUSED = [
+    ("https://a.com", "https://a.com.evil.net/x.png"),
+    ("https://a.com", "https://a.com@evil.net/x.png"),
+    ("https://a.com", "https://evil.net@a.com/x.png"),  # user info is refused even on an allowed host
+    ("https://a.com", "https://a.com\\@evil.net/x.png"),
+    ("https://a.com", "http://a.com/x.png"),
+    ("https://a.com", "https://a.com:8443/x.png"),
+    ("https://a.com:8443", "https://a.com/x.png"),
+    ("https://a.com:80", "https://a.com:8080/x.png"),
+    ("https://a.com/img", "https://a.com/imgevil/x.png"),
+    ("https://a.com/img", "https://a.com/imgevil"),
+    ("https://a.com/img", "https://a.com/img/../secret.png"),
+    ("https://a.com/img", "https://a.com/img/%2e%2e/secret.png"),
+    ("https://a.com/img", "https://a.com/img/..%2Fsecret.png"),
+    ("https://a.com/img/x", "https://a.com/img"),
+    ("https://u:p@a.com", "https://u:p@a.com/x.png"),
+    ("a.com", "https://a.com/x.png"),  # an entry that is not a URL admits nothing
+]
+
+
+@pytest.mark.parametrize(("entry", "url"), ADMITTED)
+def test_allow_list_admits_urls_under_an_entry(entry: str, url: str) -> None:
+    _check_allowed(url, ["https://other.org", entry])
+
+
+@pytest.mark.parametrize(("entry", "url"), REFUSED)
+def test_allow_list_compares_scheme_host_port_and_whole_segments(entry: str, url: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        _check_allowed(url, [entry])
+    assert info.value.param == "messages" and "p@" not in info.value.message
+
+
+async def test_allow_list_tricks_are_not_fetched(server: str) -> None:
+    origin = server.rstrip("/")  # http://127.0.0.1:PORT
+    port = origin.rsplit(":", 1)[1]
+    await _refused(f"{origin}@localhost:{port}/red.png", EngineSettings(image_url_allowlist=[origin]), "user info")
+    settings = EngineSettings(image_url_allowlist=[origin + "/re"])
+    await _refused(server + "red.png", settings, "remote image URLs are disabled")
+    await _refused(origin + "/re/../red.png", settings, "remote image URLs are disabled")
+    await _refused(f"http://127.0.0.1:{port}0/red.png", EngineSettings(image_url_allowlist=[origin]), "disabled")
+
+
+async def test_allow_listed_segments_are_fetched(server: str) -> None:
+    settings = EngineSettings(image_url_allowlist=[server + "images", server + "red.png"])
+    assert (await load_image(server + "red.png", settings)).size == (8, 8)
+    await _refused(server + "images/x.png", EngineSettings(image_url_allowlist=[server + "images"]), "HTTP 404")
 
 
 async def test_fetch_errors_are_invalid_requests(server: str) -> None:
