@@ -2,11 +2,13 @@
 the per-request limits the routes apply (max tokens, timeout), all from the router's args.
 
 API keys are optional. With `auth.api_keys` set (or `RAYRUNNER_API_KEYS`, comma-separated), every route but
-`/health` and the docs needs `Authorization: Bearer <key>` (the OpenAI SDKs send it): 401 without a known key. With
-`auth.admin_api_keys` (or `RAYRUNNER_ADMIN_API_KEYS`), the admin routes (every `POST /v1/models/...` but `status`)
-need an admin key: 401 without a known key, 403 for an inference key; admin keys are accepted everywhere. Keys
-are compared in constant time and never logged or echoed. Handle callers (`DeploymentHandle`, `Runner`) are inside
-the cluster and pass no key.
+`/health` and the docs needs `Authorization: Bearer <key>` (the OpenAI SDKs send it): 401 without a known key. The
+admin routes (every `POST /v1/models/...` but `status`) need an admin key, from `auth.admin_api_keys` (or
+`RAYRUNNER_ADMIN_API_KEYS`): 401 without a known key, 403 for an inference key; admin keys are accepted everywhere.
+A service with inference keys and no admin keys has no admin API over HTTP: its admin routes answer 403 to every
+known key. With no keys at all every route is open (`RegistryConfig.auth.check_http_host` refuses that beyond
+loopback unless `auth.allow_open`). Keys are compared in constant time and never logged or echoed. Handle callers
+(`DeploymentHandle`, `Runner`) are inside the cluster and pass no key: the admin API works for them either way.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from rayrunner.registry.config import ApiKeys, RequestLimits
 
 _OPEN_PATHS = {"/health", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
 _READ_ONLY_ADMIN = {"/v1/models/status"}
+_NEEDS_KEY = "a valid API key is required (Authorization: Bearer <key>)"
+_NEEDS_ADMIN_KEY = "an admin API key is required (Authorization: Bearer <key>)"
+_NO_ADMIN_KEYS = ("this service has no admin API keys, so its admin API is off over HTTP (set auth.admin_api_keys "
+                  "or RAYRUNNER_ADMIN_API_KEYS to turn it on; handles and Runner inside the cluster still work)")
 
 
 def _known(key: str | None, keys: list[str]) -> bool:
@@ -73,12 +79,15 @@ class Gate:
         key = _bearer(scope)
         if _known(key, keys.admin_api_keys):
             return
-        if _is_admin_route(scope["method"], path) and keys.admin_api_keys:
-            if _known(key, keys.api_keys):
-                raise PermissionDeniedError("this key may not use the admin API (it needs an admin key)")
-            raise AuthenticationError("an admin API key is required (Authorization: Bearer <key>)")
-        if keys.api_keys and not _known(key, keys.api_keys):
-            raise AuthenticationError("a valid API key is required (Authorization: Bearer <key>)")
+        if not _is_admin_route(scope["method"], path):
+            if keys.api_keys and not _known(key, keys.api_keys):
+                raise AuthenticationError(_NEEDS_KEY)
+            return
+        if not _known(key, keys.api_keys):
+            raise AuthenticationError(_NEEDS_ADMIN_KEY if keys.admin_api_keys else _NEEDS_KEY)
+        if not keys.admin_api_keys:
+            raise PermissionDeniedError(_NO_ADMIN_KEYS)
+        raise PermissionDeniedError("this key may not use the admin API (it needs an admin key)")
 
     async def _read_body(self, scope: dict[str, Any], receive: Any) -> bytes | None:
         """The whole body, refused past the limit (by its declared length at once, else as it arrives); None if

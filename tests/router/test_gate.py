@@ -84,10 +84,25 @@ async def test_admin_keys_alone_leave_inference_open_and_guard_admin() -> None:
     assert (await call(keys, scope("POST", "/v1/models/remove")))[0] == 401
 
 
-async def test_inference_keys_alone_also_guard_admin() -> None:
+@pytest.mark.parametrize("path", ["/v1/models/add", "/v1/models/remove", "/v1/models/unload", "/v1/models/scale"])
+async def test_inference_keys_alone_turn_the_admin_api_off(path: str) -> None:
     keys = ApiKeys(api_keys=["user-key"])
-    assert (await call(keys, scope("POST", "/v1/models/remove")))[0] == 401
-    assert (await call(keys, scope("POST", "/v1/models/remove", "user-key")))[0] == 200
+    status, error, _ = await call(keys, scope("POST", path, "user-key"))
+    assert status == 403 and error is not None and error["error"]["code"] == "permission_denied"
+    assert "no admin API keys" in error["error"]["message"] and "admin API is off" in error["error"]["message"]
+    status, error, _ = await call(keys, scope("POST", path))
+    assert status == 401 and error is not None and "valid API key" in error["error"]["message"]
+    assert (await call(keys, scope("POST", "/v1/models/status", "user-key")))[0] == 200  # a read stays on
+    assert (await call(keys, scope("POST", "/v1/chat/completions", "user-key")))[0] == 200
+
+
+async def test_an_admin_key_from_the_environment_turns_the_admin_api_back_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAYRUNNER_ADMIN_API_KEYS", "env-admin")
+    Gate.configure(ApiKeys(api_keys=["user-key"]), RequestLimits())
+    keys = Gate.keys
+    assert (await call(keys, scope("POST", "/v1/models/unload", "env-admin")))[0] == 200
+    status, error, _ = await call(keys, scope("POST", "/v1/models/unload", "user-key"))
+    assert status == 403 and error is not None and "needs an admin key" in error["error"]["message"]
 
 
 async def test_keys_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
