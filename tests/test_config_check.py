@@ -125,3 +125,61 @@ def test_serve_sh_checks_the_config_before_serve_run(tmp_path: Path) -> None:
     assert (refused.returncode, refused.stdout) == (1, "")
     assert refused.stderr == ("error: serve_config.yaml: applications[1].args.models[0].pined: unknown field "
                               "(did you mean pinned?)\n")
+
+
+OPEN_MESSAGE = "applications[1].args.auth.allow_open: HTTP host `{}` is reachable from other machines and no API keys"
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "gpu-head.internal"])
+def test_an_open_router_on_a_host_other_machines_reach_is_refused(host: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RAYRUNNER_API_KEYS", "RAYRUNNER_ADMIN_API_KEYS"):
+        monkeypatch.delenv(name, raising=False)
+    config = shipped()
+    config["http_options"]["host"] = host
+    message = problem(config, tmp_path)
+    assert message.startswith(OPEN_MESSAGE.format(host)) and "auth.allow_open: true" in message
+
+
+@pytest.mark.parametrize("auth", [{"allow_open": True}, {"admin_api_keys": ["a"]}, {"api_keys": ["i"]}])
+def test_an_explicit_allow_open_or_any_key_lets_it_bind_everywhere(auth: dict[str, Any], tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAYRUNNER_ADMIN_API_KEYS", raising=False)
+    monkeypatch.delenv("RAYRUNNER_API_KEYS", raising=False)
+    config = shipped()
+    config["http_options"]["host"] = "0.0.0.0"
+    config["applications"][1]["args"]["auth"] = auth
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert check_serve_config(path) == 2
+
+
+def test_keys_from_the_environment_count_and_loopback_needs_none(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAYRUNNER_API_KEYS", raising=False)
+    monkeypatch.delenv("RAY_SERVE_DEFAULT_HTTP_HOST", raising=False)
+    config = shipped()
+    path = tmp_path / "serve_config.yaml"
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"):
+        config["http_options"]["host"] = host
+        path.write_text(yaml.safe_dump(config))
+        assert check_serve_config(path) == 2
+    del config["http_options"]  # Serve's default: loopback
+    path.write_text(yaml.safe_dump(config))
+    assert check_serve_config(path) == 2
+    monkeypatch.setenv("RAY_SERVE_DEFAULT_HTTP_HOST", "0.0.0.0")  # Serve's default moved off loopback
+    assert problem(config, tmp_path).startswith(OPEN_MESSAGE.format("0.0.0.0"))
+    monkeypatch.setenv("RAYRUNNER_ADMIN_API_KEYS", "from-env")
+    assert check_serve_config(path) == 2
+
+
+def test_the_router_refuses_the_same_at_start() -> None:
+    """What `Router.__init__` runs on the host Serve's controller reports: the deploy fails naming the field."""
+    from rayrunner.errors import InvalidRequestError
+    from rayrunner.registry.config import ApiKeys
+
+    with pytest.raises(InvalidRequestError, match="set auth.allow_open: true") as raised:
+        ApiKeys().check_http_host("0.0.0.0")
+    assert raised.value.param == "auth.allow_open"
+    ApiKeys().check_http_host(None)  # Serve runs no HTTP proxy
+    ApiKeys(allow_open=True).check_http_host("0.0.0.0")

@@ -4,6 +4,10 @@ upgrade that moves one fails here, by name."""
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from rayrunner.runtime import ray_private
 
@@ -46,3 +50,25 @@ def test_a_deployment_still_takes_its_code_version_internally() -> None:
 
     deployment = serve.deployment(name="d")(lambda: None).options(version="v1", _internal=True)
     assert deployment.version == "v1"
+
+
+def test_serves_controller_and_the_dashboards_token_header_are_where_they_were() -> None:
+    """`serve_http_host` asks Serve's controller (by name) for its HTTP options; `dashboard_headers` asks Ray."""
+    from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+    from ray.serve._private.controller import ServeController
+    from ray.serve.config import HTTPOptions
+
+    assert SERVE_CONTROLLER_NAME and SERVE_NAMESPACE
+    assert not inspect.signature(ServeController.get_http_config).parameters.keys() - {"self"}
+    assert "host" in HTTPOptions.model_fields
+    assert list(inspect.signature(get_auth_headers_if_auth_enabled).parameters) == ["user_headers"]
+
+
+def test_under_token_auth_the_dashboard_header_carries_rays_token(tmp_path: Path) -> None:
+    """In a fresh interpreter (Ray reads the auth mode once), with a home of its own (no token file is left)."""
+    code = "from rayrunner.runtime import ray_private; print(ray_private.dashboard_headers())"
+    env = {**os.environ, "HOME": str(tmp_path), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "t" * 32}
+    ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert ran.stdout.strip() == repr({"authorization": f"Bearer {'t' * 32}"}), ran.stderr
+    assert ray_private.dashboard_headers() == {}  # this process: RAY_AUTH_MODE=disabled

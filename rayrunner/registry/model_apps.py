@@ -122,7 +122,7 @@ class ServeModelApps:
     async def deployed_args(self, app: str) -> dict[str, Any] | None:
         """The `args` a config (`serve run` / `serve deploy`) deployed the app with; None for an app deployed from
         code (as the registry does) or not deployed at all. Read from the dashboard's Serve REST API."""
-        async with httpx.AsyncClient(timeout=30) as client:
+        async with httpx.AsyncClient(timeout=30, headers=ray_private.dashboard_headers()) as client:
             response = await client.get(f"{dashboard_url()}/api/serve/applications/")
         response.raise_for_status()
         details = response.json().get("applications", {}).get(app) or {}
@@ -132,7 +132,7 @@ class ServeModelApps:
     async def replica_counts(self) -> dict[str, dict[str, int]]:
         """Each app's replicas now: `running`, `starting` and Serve's current `target` (an autoscaled model's moves
         with load). One read of the dashboard's Serve REST API for every app."""
-        async with httpx.AsyncClient(timeout=30) as client:
+        async with httpx.AsyncClient(timeout=30, headers=ray_private.dashboard_headers()) as client:
             response = await client.get(f"{dashboard_url()}/api/serve/applications/")
         response.raise_for_status()
         counts = {}
@@ -199,7 +199,7 @@ class ServeModelApps:
         """The replica drains (in-flight requests finish) and exits; the app stays. Serve's external scaling API
         on the dashboard (see the module's docstring)."""
         url = f"{dashboard_url()}/api/v1/applications/{app}/deployments/{DEPLOYMENT}/scale"
-        async with httpx.AsyncClient(timeout=30) as client:
+        async with httpx.AsyncClient(timeout=30, headers=ray_private.dashboard_headers()) as client:
             response = await client.post(url, json={"target_num_replicas": 0})
         if response.status_code >= 300:
             raise ModelLoadError(f"scaling `{app}` to 0 failed: HTTP {response.status_code} {response.text}")

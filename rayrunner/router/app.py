@@ -36,7 +36,7 @@ from rayrunner.router import cards, timeouts
 from rayrunner.router.gate import Gate
 from rayrunner.router.responses_api import ResponsesRequest, event_frames, stream_events, to_chat_request, to_response
 from rayrunner.router.service import _GENERATES, ModelCall, ModelStream, RegistryCall, RouterService
-from rayrunner.runtime import logs, metrics
+from rayrunner.runtime import logs, metrics, ray_private
 from rayrunner.runtime.app_args import builder_args
 from rayrunner.runtime.ready_batches import ready_batches
 from rayrunner.runtime.transport import REPLICA_ENV
@@ -167,8 +167,10 @@ class Router:
         and `load: true` models start loading before any request."""
         logs.to_replica_log()
         app_name = serve.get_replica_context().app_name
-        self.service = RouterService(RegistryConfig.model_validate(config), app_name)
-        Gate.configure(self.service.config.auth, self.service.config.limits)
+        checked = RegistryConfig.model_validate(config)
+        checked.auth.check_http_host(await ray_private.serve_http_host())  # no open service beyond loopback
+        self.service = RouterService(checked, app_name)
+        Gate.configure(checked.auth, checked.limits)
         await self.service.start()
 
     # ------------------------------------------------------------ OpenAI API (HTTP)

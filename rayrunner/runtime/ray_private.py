@@ -25,6 +25,24 @@ def dashboard_url() -> str | None:
     return url
 
 
+def dashboard_headers() -> dict[str, str]:
+    """The `authorization` header Ray's dashboard needs under its token auth (`RAY_AUTH_MODE=token`), else none."""
+    from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+
+    headers: dict[str, str] = get_auth_headers_if_auth_enabled({})
+    return headers
+
+
+async def serve_http_host() -> str | None:
+    """The host Serve's HTTP proxies bind (`http_options.host` as Serve's controller holds it); None: no proxy."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    host: str | None = (await controller.get_http_config.remote()).host
+    return host
+
+
 def grpc_channel(address: str) -> Any:
     """A gRPC channel to a raylet, set up as Ray's own clients set theirs up (to ask it to prestart a worker)."""
     from ray._private.grpc_utils import init_grpc_channel
