@@ -248,3 +248,25 @@ async def test_the_scale_call_saves_new_replica_settings_and_rescales_a_loaded_m
     assert apps.deploys(app(reg, "off")) == 0  # saved for its next load
     saved = json.loads((tmp_path / "registry.json").read_text())
     assert saved["models"]["off"]["spec"]["engine"]["autoscaling_config"]["max_replicas"] == 2
+
+
+async def test_a_spec_that_cannot_be_read_back_is_logged_and_redeployed(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A running app whose deployed spec cannot be read is redeployed over (the config's spec wins), and the
+    cause is logged, not swallowed."""
+
+    class Unreadable(FakeModelApps):
+        async def deployed_args(self, app: str) -> dict[str, Any] | None:
+            raise RuntimeError("serve status unavailable")
+
+    apps = Unreadable()
+    models = [entry("m1", load=True)]
+    reg = await registry(tmp_path, apps, models)
+    await reg.ensure_loaded("m1")
+    edited = copy.deepcopy(models)
+    edited[0]["spec"]["in_situ_quant"] = "Q8_0"
+    with caplog.at_level("WARNING", logger="rayrunner"):
+        again = await registry(tmp_path, apps, edited)
+        assert await again.ensure_loaded("m1") == "m1"
+    assert apps.deploys(app(again, "m1")) == 2
+    assert any("cannot read the spec its app runs" in r.getMessage() and r.exc_info for r in caplog.records)

@@ -50,7 +50,7 @@ from rayrunner.registry.lifecycle import Phase
 from rayrunner.registry.model_apps import ModelApps, ServeModelApps
 from rayrunner.registry.replica_watch import watch_replicas
 from rayrunner.registry.state import ModelEntry, ModelRecord, RegistryState, UnloadMode
-from rayrunner.runtime import metrics
+from rayrunner.runtime import logs, metrics
 
 REGISTRY_NAME = "rayrunner-registry"
 NAMESPACE = "rayrunner"
@@ -64,6 +64,8 @@ class Registry(CapacityMixin):
     def __init__(self, state_path: str, apps: ModelApps | None = None) -> None:
         self.apps: ModelApps = apps or ServeModelApps()  # Serve in production, a fake in tests
         self.path = Path(state_path)
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:  # the actor itself
+            logs.to_actor_log(self.path.with_suffix(".log"))
         self.state = RegistryState.load(self.path)
         self.config = RegistryConfig.model_validate(self.state.settings)
         self._locks: dict[str, asyncio.Lock] = {}
@@ -146,10 +148,12 @@ class Registry(CapacityMixin):
 
     async def _runs_spec(self, spec: ModelSpec) -> bool:
         """Whether the model's app was deployed (by a config) with exactly `spec`; unknown counts as no."""
-        with contextlib.suppress(Exception):
+        try:
             args = await self.apps.deployed_args(spec.app_name)
             return args is not None and ModelSpec.model_validate(args) == spec
-        return False
+        except Exception:
+            logger.warning("`%s`: cannot read the spec its app runs; redeploying it", spec.model_id, exc_info=True)
+            return False
 
     # ------------------------------------------------------------ queries
 
@@ -485,8 +489,10 @@ class Registry(CapacityMixin):
         record.info = {}
         self._persist()
         # The app may never have been created; the record is already consistent either way.
-        with contextlib.suppress(Exception):
+        try:
             await self.apps.delete(record.spec.app_name)
+        except Exception:
+            logger.warning("`%s`: its failed app could not be deleted", record.spec.model_id, exc_info=True)
         load_progress.clear(record.spec.app_name)  # after the delete: a replica still loading wrote until then
 
     def _persist(self) -> None:

@@ -58,9 +58,12 @@ def check_move(model_id: str, old: Phase, new: Phase) -> None:
         raise LifecycleError(f"model `{model_id}`: no move from `{old}` to `{new}`")
 
 
+_UNLOAD_MODES: dict[Phase, UnloadMode] = {Phase.ASLEEP: "sleep", Phase.STOPPED: "stop"}
+
+
 def unload_mode(phase: Phase) -> UnloadMode | None:
     """How an unloaded model was unloaded (the card's `unload_mode`)."""
-    return {Phase.ASLEEP: "sleep", Phase.STOPPED: "stop"}.get(phase)
+    return _UNLOAD_MODES.get(phase)
 
 
 def phase_of(status: Status, mode: UnloadMode | None) -> Phase:

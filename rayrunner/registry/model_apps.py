@@ -13,7 +13,7 @@ version is retried by Serve without end, which would leave the model stuck in `r
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import os
 import re
 import threading
@@ -31,6 +31,7 @@ from rayrunner.registry.placement import check_placeable
 from rayrunner.runtime import ray_private
 from rayrunner.runtime.warm_workers import SPARE_DELAY_S, WarmSpares
 
+logger = logging.getLogger(__name__)
 _POLL_S = 0.2
 _FAILED = {"DEPLOY_FAILED", "UNHEALTHY"}
 # A deployment with a running replica serves in these; a load returns at its first replica (the rest still start).
@@ -228,9 +229,11 @@ class ServeModelApps:
 
     async def replica_asleep(self, app: str) -> bool:
         """Whether the app's running replica says it is asleep (unreachable counts as no)."""
-        with contextlib.suppress(Exception):
+        try:
             return bool((await self.info(app)).get("asleep"))
-        return False
+        except Exception:
+            logger.warning("`%s`: its replica cannot say whether it sleeps; counted awake", app, exc_info=True)
+            return False
 
     async def after_load(self, app: str, deployed_at: float | None, spares: int) -> None:
         """Up to `spares` spare workers for the node of the app's new replica (`deployed_at`: None for an adopted
