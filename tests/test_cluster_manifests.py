@@ -19,6 +19,7 @@ import yaml
 from ray.serve import Application
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
+from rayrunner.cli.config_check import http_host
 from rayrunner.deployments.vllm_runtime import PYTHON_ENV_VAR
 from rayrunner.models.spec import ModelSpec
 from rayrunner.registry.config import RegistryConfig
@@ -118,11 +119,37 @@ def test_multi_node_configs_keep_the_registry_state_on_shared_storage(name: str)
     config = serve_configs()[name]
     state_path = PurePosixPath(router_args(config)["state_path"])
     assert state_path.is_absolute() and state_path.is_relative_to("/shared")
-    assert config["http_options"]["host"] == "0.0.0.0" and config["proxy_location"] == "EveryNode"
+    assert config["proxy_location"] == "EveryNode"
     engines = [entry.spec.engine for entry in RegistryConfig.model_validate(router_args(config)).models]
     assert any(engine.num_gpus > 0 for engine in engines)
     # A replica that reserved no GPU still sees a GPU node's GPUs, and `device: auto` would load onto one.
     assert all(engine.device == "cpu" for engine in engines if engine.num_gpus == 0)
+
+
+@pytest.mark.parametrize("name", sorted(serve_configs()))
+def test_no_shipped_config_serves_open_beyond_loopback(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router refuses to start with no key on a host other machines reach (unless `auth.allow_open`): the
+    RayService, whose pods must bind every interface, gives every pod the keys from its Secret."""
+    for variable in ("RAYRUNNER_API_KEYS", "RAYRUNNER_ADMIN_API_KEYS"):
+        monkeypatch.delenv(variable, raising=False)
+    config = serve_configs()[name]
+    if name.startswith("rayservice.yaml"):
+        assert http_host(config) == "0.0.0.0"
+        for group, pod in pods(rayservice()).items():
+            env = {var["name"]: var for container in pod["containers"] for var in container.get("env", [])}
+            secret = env["RAYRUNNER_ADMIN_API_KEYS"]["valueFrom"]["secretKeyRef"]
+            assert secret["name"] == "rayrunner-api-keys", f"`{group}` pods have no admin keys"
+        monkeypatch.setenv("RAYRUNNER_ADMIN_API_KEYS", "from-the-secret")
+    auth = RegistryConfig.model_validate(router_args(config)).auth
+    assert not auth.allow_open
+    auth.check_http_host(http_host(config))
+
+
+def test_the_head_script_keeps_the_dashboard_on_loopback() -> None:
+    """Whoever reaches Ray's dashboard can submit jobs; the registry actor that scales models through it runs on
+    the head, so loopback is enough."""
+    start = (CLUSTER / "start-head.sh").read_text().split("\nexec ", 1)[1]
+    assert "--dashboard-host=127.0.0.1" in start and "0.0.0.0" not in start
 
 
 def test_rayservice_has_a_cpu_head_and_a_gpu_worker_group_on_rayrunners_ray() -> None:
