@@ -88,7 +88,7 @@ class TextEngine(ChatTokens, Engine):
 
     def complete(self, request: CompletionRequest, params: SamplingParams, adapter: str | None = None
                  ) -> AsyncIterator[GenerationEvent]:
-        ids = self.tokenizer(request.prompt_text(), add_special_tokens=request.add_special_tokens)["input_ids"]
+        ids = self.completion_ids(request)
         return self._generate(ids, params, adapter)
 
     def _generate(self, ids: list[int], params: SamplingParams, adapter: str | None,
