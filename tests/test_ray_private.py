@@ -72,3 +72,11 @@ def test_under_token_auth_the_dashboard_header_carries_rays_token(tmp_path: Path
     ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert ran.stdout.strip() == repr({"authorization": f"Bearer {'t' * 32}"}), ran.stderr
     assert ray_private.dashboard_headers() == {}  # this process: RAY_AUTH_MODE=disabled
+
+
+def test_the_setup_hook_variable_is_the_one_ray_workers_read() -> None:
+    from ray._private import ray_constants
+    from ray._private.workers import default_worker
+
+    assert ray_private.SETUP_HOOK_ENV_VAR == ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+    assert "WORKER_PROCESS_SETUP_HOOK_ENV_VAR" in inspect.getsource(default_worker)

@@ -1,13 +1,13 @@
 """What a model replica's worker imports when it starts, before it runs anything: torch, transformers and
 rayrunner's model server (~4 s on a small CPU box).
 
-Ray imports this module in every Python worker of a cluster started with
+Ray runs `worker_setup` in every worker started for a model replica (and the spare workers started for them), and
+imports this module in every Python worker of a cluster started with
 `RAY_preload_python_modules=rayrunner.runtime.preload` (see `rayrunner.runtime.warm_workers`). Only workers started for
-model replicas, and the spare workers started for them, carry `RAYRUNNER_PRELOAD=1` in their runtime env: they
-import the model stack here, in the main thread before the worker takes any task, so a spare waits fully imported
-and a replica given to it starts at once. Every other worker (Serve's controller and proxy, the router, the
-registry) imports nothing here. Importing in the main thread matters: transformers' lazy modules are not safe to
-import from two threads at once.
+model replicas carry `RAYRUNNER_PRELOAD=1` in their runtime env: they import the model stack here, in the main
+thread before the worker takes any task, so a spare waits fully imported and a replica given to it starts at once.
+Every other worker (Serve's controller and proxy, the router, the registry) imports nothing here. Importing in the
+main thread matters: transformers' lazy modules are not safe to import from two threads at once.
 
 The imports run at a lower CPU priority (nice +10) when the process may raise it back afterwards (CAP_SYS_NICE,
 or an `RLIMIT_NICE` that allows it): a spare started after a load then yields the CPU to the replicas serving their
@@ -49,7 +49,24 @@ CAP_SYS_NICE = 23  # the capability's bit in /proc/<pid>/status
 logger = logging.getLogger(__name__)
 
 
+_preloaded = False
+
+
+def worker_setup() -> None:
+    """Ray's setup hook of model replica workers (`warm_workers.REPLICA_RUNTIME_ENV`): serve at the node's normal
+    priority (Ray starts workers at nice 15 unless `RAY_worker_niceness` says otherwise), then import the stack."""
+    niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    if niceness > 0 and _may_set_niceness(0):
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    preload()
+
+
 def preload() -> None:
+    """Import the model stack, once per process (through Ray's preload and the setup hook alike)."""
+    global _preloaded
+    if _preloaded:
+        return
+    _preloaded = True
     with lower_priority(IMPORT_NICENESS):
         for name in MODULES:
             try:

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+# The variable through which Ray hands a worker its `worker_process_setup_hook` (a function's import path), which
+# Ray runs in the worker's main thread before its first task. Ray converts the runtime_env field to it only for a
+# job's runtime_env (`ray.init`); set here directly, it works for one actor's (a model replica's) as well.
+SETUP_HOOK_ENV_VAR = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
+
 
 def read_ray_address() -> str | None:
     """The address of the cluster `ray start` left on this machine (what `address="auto"` would find), or None.

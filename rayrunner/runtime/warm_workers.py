@@ -5,9 +5,9 @@ after a `stop` took 6-7 s, of which ~5 s went to the new worker process: Python 
 transformers and rayrunner's model server import. Ray gives a new actor an idle worker of the same job and runtime
 env when the node has one, so:
 
-- model replicas run with `REPLICA_RUNTIME_ENV` (`RAYRUNNER_PRELOAD=1`), and a cluster started by rayrunner (its
-  scripts, the CLI, the Runner's own cluster, the tests) sets `CLUSTER_ENV`, which has every Ray worker import
-  `rayrunner.runtime.preload`: a worker with that variable imports the model stack as it starts;
+- model replicas run with `REPLICA_RUNTIME_ENV` (`RAYRUNNER_PRELOAD=1` and a worker setup hook), so a worker started
+  for one imports the model stack and takes the node's normal priority as it starts, however the cluster was started
+  (a cluster started by rayrunner's scripts also sets `CLUSTER_ENV`, which does the same through Ray's preload);
 - `SPARE_DELAY_S` after each deploy of a model (the registry's own, or a config's it adopted), the registry asks
   that node's raylet for spare workers with the replica's own job and runtime env (the router's `warm_spares`
   per node, default 1; 0: none), each kept alive `KEEP_ALIVE_S`
@@ -40,7 +40,10 @@ PRELOAD_ENV_VAR = "RAYRUNNER_PRELOAD"
 # token/s. Serving is what a rayrunner node is for; a spare still imports at a lower priority (`worker_preload`).
 CLUSTER_ENV = {"RAY_preload_python_modules": "rayrunner.runtime.preload", "RAY_worker_niceness": "0",
                **serve_transport.CLUSTER_ENV}
-REPLICA_RUNTIME_ENV = {"env_vars": {PRELOAD_ENV_VAR: "1", **serve_transport.REPLICA_ENV}}
+# Model replicas, and the spares started for them, import the stack as they start however the cluster was started
+# (a plain `serve run` sets none of `CLUSTER_ENV`): Ray runs `worker_setup` in each before its first task.
+REPLICA_RUNTIME_ENV = {"env_vars": {PRELOAD_ENV_VAR: "1", **serve_transport.REPLICA_ENV,
+                                    ray_private.SETUP_HOOK_ENV_VAR: "rayrunner.runtime.preload.worker_setup"}}
 KEEP_ALIVE_S = 600
 WARM_MARGIN_S = 1.0  # a replica whose process is this much older than its deploy ran in a waiting worker
 # A spare is asked for this long after the load, once the requests that waited for the model have their answers:
