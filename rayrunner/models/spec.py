@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from rayrunner.errors import InvalidSpecError
 from rayrunner.models.replicas import Replicas
+from rayrunner.models.source_policy import SourcePolicy
 from rayrunner.models.which import Which, WhichSpec
 from rayrunner.protocol import DEFAULT_MODEL
 
@@ -54,6 +55,11 @@ class EngineSettings(Replicas):
         "rayrunner's step scheduler), or vLLM's async engine (text models; settings in `vllm`)."
     )
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="The `vllm` backend's settings.")
+    sources: SourcePolicy | None = Field(
+        None, description="Where this model may load from, checked again by each replica where it reads: the "
+        "service's `sources`, set by the registry for a model added at runtime (whatever the caller sent). None: "
+        "anywhere, as for a model the operator declared."
+    )
 
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto`: cuda when the replica has a GPU.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved by each replica; above 1 a whole number, the "
