@@ -1,13 +1,21 @@
 """How the request router weighs replicas, without a cluster: a request's sequences, what `routing: prefix` keys on,
-rendezvous hashing, and loads made of the last report plus what was sent since."""
+rendezvous hashing, and loads made of the last report plus what this router chose that the report does not list,
+in every order the router's and the replica's events can come in."""
 
 from __future__ import annotations
 
 import collections
+import itertools
 import random
+from types import SimpleNamespace
+from typing import Any
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
 from rayrunner.router.replica_choice import (
+    MEMORY_S,
     PREFIX_CHARS,
+    LoadAwareRouter,
     ReplicaLoads,
     affinity_key,
     least_loaded_first,
@@ -41,30 +49,115 @@ def test_rendezvous_spreads_keys_and_moves_only_a_lost_replicas() -> None:
     assert moved and all(homes[key] == "r3" for key in moved)
 
 
-def test_a_load_is_the_last_report_plus_open_sends_after_it_minus_what_it_counted_that_ended() -> None:
+def test_a_load_is_the_report_less_what_ended_plus_what_it_does_not_list_yet() -> None:
     loads = ReplicaLoads()
-    loads.sent("a", "r1", 1, at=100.0)
-    loads.sent("a", "r2", 4, at=101.5)
-    loads.sent("a", "r3", 2, at=101.6)
-    loads.completed("a", "r3", at=101.7)
-    assert loads.load("a", {"sequences": 2, "at": 101.0}) == 6  # r1 is in the report, r2 is not, r3 ended
-    loads.completed("a", "r1", at=102.2)
-    assert loads.load("a", {"sequences": 2, "at": 101.0}) == 5  # the report counted r1, which has ended since
-    assert loads.load("a", {"sequences": 4, "at": 102.5}) == 4  # the next report
+    loads.chosen("a", "r1", 1, at=100.0)
+    loads.chosen("a", "r2", 4, at=100.1)
+    loads.chosen("a", "r3", 2, at=100.2)
+    loads.completed("a", "r3", at=100.3)
+    assert loads.load("a", {"requests": {"r1": 1, "r3": 2}}) == 5  # r1 listed, r2 on its way, r3 ended
+    assert loads.load("a", {"requests": {"r1": 1, "r2": 4, "another router's": 3}}) == 8
     assert loads.load("b", {}) == 0  # never reported, nothing sent
+    loads.completed("a", "r1", at=100.4)
+    loads.completed("a", "r2", at=100.5)
+    assert loads.load("a", {"requests": {"r1": 1, "r2": 4}}) == 0  # a report from before they ended
+    assert loads.load("a", {}) == 0
 
 
-def test_without_reports_a_load_is_what_this_router_sent() -> None:
+EVENTS = ("chosen", "received", "routed", "finished", "completed", "report")
+BEFORE = [("chosen", "received"), ("received", "routed"), ("received", "finished"), ("finished", "completed")]
+
+
+def interleavings() -> list[tuple[str, ...]]:
+    """Every order one request's events can come in: the router chooses the replica, the replica receives it,
+    Serve says the replica took it (`routed`, possibly after the end), the replica finishes it, the router sees it
+    end; and the replica takes its report at any point among them."""
+    return [order for order in itertools.permutations(EVENTS)
+            if all(order.index(first) < order.index(then) for first, then in BEFORE)]
+
+
+def test_every_interleaving_of_a_request_and_a_report_counts_it_once_until_it_ends() -> None:
+    """Whether the report has reached the router or not, at every step the load is the request's four sequences
+    from the choice until the router sees the end, and nothing after it."""
+    assert len(interleavings()) == 18
+    for order in interleavings():
+        loads, serving, report, counted = ReplicaLoads(), dict[str, int](), None, False
+        for step, event in enumerate(order):
+            if event == "chosen":
+                loads.chosen("a", "r", 4, at=float(step))
+                counted = True
+            elif event == "received":
+                serving = {"r": 4}
+            elif event == "routed":
+                loads.routed("a", "r")
+            elif event == "finished":
+                serving = {}
+            elif event == "completed":
+                loads.completed("a", "r", at=float(step))
+                counted = False
+            else:
+                report = {"requests": dict(serving)}
+            for seen in ({}, report) if report is not None else ({},):
+                assert loads.load("a", seen) == (4 if counted else 0), (order, event, seen)
+
+
+def test_a_retry_under_the_same_id_counts_on_its_new_replica() -> None:
+    """A call made while serving another takes the parent's id: the retry after a replica died comes again."""
     loads = ReplicaLoads()
-    loads.sent("mute", "r1", 2, at=5.0)
-    loads.sent("mute", "r2", 1, at=6.0)
-    loads.completed("mute", "r1", at=7.0)
-    assert loads.load("mute", {}) == 1
-    loads.completed("mute", "r9", at=8.0)  # ended before Serve said it was sent: not counted when it does
-    loads.sent("mute", "r9", 1, at=8.1)
-    assert loads.load("mute", {}) == 1
-    loads.forget(set())
-    assert loads.load("mute", {}) == 0
+    loads.chosen("a", "r", 1, at=1.0)
+    loads.completed("a", "r", at=2.0)
+    loads.chosen("b", "r", 1, at=2.1)
+    assert loads.load("b", {}) == 1 and loads.load("b", {"requests": {"r": 1}}) == 1
+    assert loads.load("a", {"requests": {"r": 1}}) == 0
+    loads.routed("b", "r")
+    loads.completed("b", "r", at=3.0)
+    loads.routed("b", "r")  # told after the end: not counted again
+    assert loads.load("b", {}) == 0
+
+
+def test_serve_taking_the_second_choice_moves_the_request_there() -> None:
+    loads = ReplicaLoads()
+    loads.chosen("full", "r", 2, at=1.0)
+    loads.routed("spare", "r")
+    assert (loads.load("full", {}), loads.load("spare", {})) == (0, 2)
+
+
+def test_choices_never_routed_and_replicas_gone_are_forgotten() -> None:
+    loads = ReplicaLoads()
+    loads.chosen("a", "cancelled", 2, at=1.0)  # cancelled while it waited for a replica: Serve says no more
+    loads.chosen("a", "r", 1, at=1.0)
+    loads.routed("a", "r")
+    loads.chosen("b", "s", 1, at=1.0 + MEMORY_S + 1)
+    assert loads.load("a", {}) == 1
+    loads.forget({"b"})
+    assert (loads.load("a", {}), loads.load("b", {})) == (0, 1)
+
+
+def replica(unique_id: str) -> Any:
+    """What the router reads of a running replica: its id and its routing stats (none reported yet)."""
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=unique_id), routing_stats=None)
+
+
+def pending(request_id: str, body: dict[str, Any]) -> Any:
+    return SimpleNamespace(args=[body], metadata=SimpleNamespace(internal_request_id=request_id))
+
+
+async def test_a_burst_chosen_before_anything_is_sent_spreads_by_sequences() -> None:
+    """The router's choices come one after another before Serve sends any of them, and before any report: one
+    request of four sequences, then singles, which go to the other replica until it holds as many."""
+    router = LoadAwareRouter(DeploymentID(name="ModelServer", app_name="m"), DeploymentHandleSource.UNKNOWN)
+    router.initialize_state()
+    replicas = [replica("a"), replica("b")]
+
+    async def first_choice(request_id: str, body: dict[str, Any]) -> str:
+        ranks = await router.choose_replicas(replicas, pending(request_id, body))
+        return str(ranks[0][0].replica_id.unique_id)
+
+    heavy = await first_choice("r0", {"n": 4})
+    light = "b" if heavy == "a" else "a"
+    assert [await first_choice(f"r{i}", {}) for i in range(1, 4)] == [light] * 3
+    burst = collections.Counter([await first_choice(f"s{i}", {}) for i in range(8)])
+    assert abs((4 + burst[heavy]) - (3 + burst[light])) <= 1, burst
 
 
 def test_least_loaded_first_breaks_ties_at_random() -> None:

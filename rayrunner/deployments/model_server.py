@@ -11,6 +11,7 @@ import dataclasses
 import os
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ import psutil
 import ray
 from ray import serve
 from ray.serve import Application
+from ray.serve.context import _get_serve_request_context
 from ray.serve.exceptions import RayServeException
 
 from rayrunner.deployments import responses
@@ -55,6 +57,7 @@ class ModelServer:
         self.started_at = time.time()
         self.requests_served = 0  # generation requests this replica took (how Serve spreads them over replicas)
         self.sequences = 0  # sequences of the requests it is serving now, running or waiting for a slot
+        self.serving: dict[str, int] = {}  # those requests by Serve request id -> sequences (its routing stats)
         self.replica_id = _replica_id()
 
     def _build_engine(self) -> Engine:
@@ -105,14 +108,16 @@ class ModelServer:
     @contextlib.asynccontextmanager
     async def _serving(self, request: ChatCompletionRequest | CompletionRequest) -> AsyncIterator[Engine]:
         """The engine for one generation request; its `n` sequences count in this replica's load meanwhile."""
-        sequences = request.n or 1
+        sequences, request_id = request.n or 1, _request_id()
         self.requests_served += 1
         self.sequences += sequences
+        self.serving[request_id] = sequences
         try:
             async with self.slot.use() as engine:
                 yield engine
         finally:
             self.sequences -= sequences
+            self.serving.pop(request_id, None)  # an id twice at once (one parent's two calls) must not fail it
 
     async def _measured(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
         """The engine's events, each finished choice's figures recorded (`rayrunner.runtime.metrics.generation`)."""
@@ -122,10 +127,11 @@ class ModelServer:
             yield event
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """This replica's load for Serve's request router (`rayrunner.router.replica_choice`), every second; also
-        its `rayrunner_replica_sequences` gauge."""
+        """This replica's load for Serve's request router (`rayrunner.router.replica_choice`), every second: the
+        requests it serves by id, so the router tells which of its own it counts; also its
+        `rayrunner_replica_sequences` gauge."""
         metrics.replica_sequences(self.spec.model_id, self.replica_id, self.sequences)
-        return {"sequences": self.sequences, "at": time.time()}
+        return {"requests": dict(self.serving)}
 
     async def embed(self, body: dict[str, Any]) -> dict[str, Any]:
         request = EmbeddingRequest.model_validate(body)
@@ -186,6 +192,11 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except RayServeException:
         return "-"
+
+
+def _request_id() -> str:
+    """The Serve request id the router saw for this request (a fresh one outside Serve, as unit tests run it)."""
+    return _get_serve_request_context()._internal_request_id or uuid.uuid4().hex
 
 
 def _rss_bytes() -> int | None:

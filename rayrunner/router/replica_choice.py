@@ -1,11 +1,13 @@
 """Which replica of a model takes a request: Serve's request router, fed by the replicas' own load.
 
 Serve's default router probes two random replicas for their ongoing requests. An LLM replica's load is its sequences
-(a request with `n: 4` is four), running or waiting for a slot, so each replica reports them every second
-(`ModelServer.record_routing_stats`), and `LoadAwareRouter` sends a request to the replica with the fewest: the
-reported count plus the sequences this router sent it since that report and not yet finished. Serve still skips
-a replica at its `max_ongoing_requests` and tries the next, so a full replica does not turn into a 429 while another
-has room.
+(a request with `n: 4` is four), running or waiting for a slot, so each replica reports the requests it serves with
+their sequences every second (`ModelServer.record_routing_stats`), and `LoadAwareRouter` sends a request to the
+replica with the fewest: what the last report lists (less what this router has seen end since), plus what this router
+chose for that replica that the report does not list yet (in transit, or sent after it). Requests are matched by
+Serve's request id, never by clock, so a report taken while a request was on its way still counts it once. Serve
+still skips a replica at its `max_ongoing_requests` and tries the next, so a full replica does not turn into a 429
+while another has room.
 
 `routing: prefix` keeps requests that share a start (a chat's earlier turns, an agent's system prompt) or the
 OpenAI `user` field on one replica (rendezvous hashing over the replicas, so adding one moves few keys), where its
@@ -19,7 +21,7 @@ import json
 import random
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -52,38 +54,65 @@ def rendezvous(key: str, replica_ids: Sequence[str]) -> str:
     return max(replica_ids, key=lambda rid: hashlib.blake2b(f"{key}\0{rid}".encode(), digest_size=8).digest())
 
 
+class _Open(NamedTuple):
+    replica: str
+    sequences: int
+    chosen_at: float | None  # when the router chose the replica; None once Serve said the replica took it
+
+
 class ReplicaLoads:
-    """Each replica's sequences as this router knows them: its last report, plus what it sent the replica after that
-    report and is still open, minus what the report counted that has ended since (reports come every second)."""
+    """Each replica's sequences as this router knows them: what its last report lists (request id -> sequences),
+    less what this router has seen end there, plus what this router chose for it that the report does not list.
+
+    Keyed by Serve's internal request id, which a request made while serving another inherits: the router's retry
+    of a request whose replica died comes again under the same id, so an end is remembered per replica and a new
+    choice starts the request afresh."""
 
     def __init__(self) -> None:
-        self._open: dict[str, dict[str, tuple[float, int]]] = {}  # replica -> request id -> (sent at, sequences)
-        self._ended: dict[str, list[tuple[float, float, int]]] = {}  # replica -> (sent at, ended at, sequences)
-        self._ended_first: dict[str, float] = {}  # requests that ended before Serve said they were sent
+        self._open: dict[str, _Open] = {}  # request id -> where it went
+        self._ended: dict[tuple[str, str], float] = {}  # (replica, request id) -> when it ended, in that order
 
-    def sent(self, replica: str, request: str, sequences: int, at: float) -> None:
-        if self._ended_first.pop(request, None) is None:
-            self._open.setdefault(replica, {})[request] = (at, sequences)
+    def chosen(self, replica: str, request: str, sequences: int, at: float) -> None:
+        """The router ranked `replica` first for a request: it counts there from now (Serve sends it there unless
+        that replica is full; `routed` then names the one that took it)."""
+        self._forget_old(at)
+        self._ended.pop((replica, request), None)
+        self._open[request] = _Open(replica, sequences, at)
+
+    def routed(self, replica: str, request: str) -> None:
+        """Serve sent the request to `replica`, which took it (unless it has ended already: Serve may say it ended
+        before it says it was routed)."""
+        entry = self._open.get(request)
+        if entry is not None:
+            self._ended.pop((replica, request), None)
+            self._open[request] = _Open(replica, entry.sequences, None)
 
     def completed(self, replica: str, request: str, at: float) -> None:
-        """A request ended; a short one may end before Serve reports it sent (its completion is watched first)."""
-        entry = self._open.get(replica, {}).pop(request, None)
-        if entry is None:
-            self._ended_first = {r: t for r, t in self._ended_first.items() if t >= at - MEMORY_S}
-            self._ended_first[request] = at
-            return
-        ended = [e for e in self._ended.get(replica, []) if e[1] >= at - MEMORY_S]
-        self._ended[replica] = [*ended, (entry[0], at, entry[1])]
+        self._forget_old(at)
+        self._open.pop(request, None)
+        self._ended.pop((replica, request), None)  # re-inserted last: the memory stays in the order of the ends
+        self._ended[(replica, request)] = at
 
     def load(self, replica: str, stats: Mapping[str, Any]) -> int:
-        reported_at = float(stats.get("at", 0.0))
-        sent_since = sum(n for at, n in self._open.get(replica, {}).values() if at >= reported_at)
-        ended_since = sum(n for sent, ended, n in self._ended.get(replica, []) if sent < reported_at <= ended)
-        return max(0, int(stats.get("sequences", 0)) + sent_since - ended_since)
+        """The replica's sequences: its report's requests not seen ending, and this router's it does not list."""
+        reported = stats.get("requests")
+        listed: Mapping[str, int] = reported if isinstance(reported, Mapping) else {}
+        serving = sum(n for request, n in listed.items() if (replica, request) not in self._ended)
+        in_transit = sum(entry.sequences for request, entry in self._open.items()
+                         if entry.replica == replica and request not in listed)
+        return serving + in_transit
 
     def forget(self, keep: set[str]) -> None:
-        self._open = {replica: sent for replica, sent in self._open.items() if replica in keep}
-        self._ended = {replica: ended for replica, ended in self._ended.items() if replica in keep}
+        """Drop what was sent to replicas that are gone."""
+        self._open = {request: entry for request, entry in self._open.items() if entry.replica in keep}
+
+    def _forget_old(self, now: float) -> None:
+        """Ends older than MEMORY_S (no report lists them any more), and choices Serve never routed (a request
+        cancelled while it waited for a replica)."""
+        while self._ended and next(iter(self._ended.values())) < now - MEMORY_S:
+            del self._ended[next(iter(self._ended))]
+        self._open = {request: entry for request, entry in self._open.items()
+                      if entry.chosen_at is None or entry.chosen_at >= now - MEMORY_S}
 
 
 def least_loaded_first(loads: Mapping[str, int]) -> list[str]:
@@ -108,23 +137,29 @@ class LoadAwareRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        """Every candidate, each its own rank, best first: Serve takes the first that has room."""
+        """Every candidate, each its own rank, best first: Serve takes the first that has room. The first counts
+        the request at once, so a burst chosen before any of it is sent spreads by load."""
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        order = self.rank(by_id, pending_request)
+        if order and pending_request is not None:
+            self._loads.chosen(order[0], pending_request.metadata.internal_request_id,
+                               sequences_of(_body(pending_request)), time.time())
+        return [[by_id[rid]] for rid in order]
+
+    def rank(self, by_id: Mapping[str, RunningReplica], pending_request: PendingRequest | None) -> list[str]:
+        """Replica ids best first: least loaded, or a prefix's home replica unless it is much busier."""
         loads = {rid: self._loads.load(rid, r.routing_stats or {}) for rid, r in by_id.items()}
         order = least_loaded_first(loads)
-        body = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        key = affinity_key(body) if self._routing == "prefix" else None
+        key = affinity_key(_body(pending_request)) if self._routing == "prefix" else None
         if key is not None and order:
             home = rendezvous(key, list(by_id))
             if loads[home] - loads[order[0]] <= self._imbalance:
                 order.remove(home)
                 order.insert(0, home)
-        return [[by_id[rid]] for rid in order]
+        return order
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        body = pending_request.args[0] if pending_request.args else None
-        self._loads.sent(replica_id.unique_id, pending_request.metadata.internal_request_id, sequences_of(body),
-                         time.time())
+        self._loads.routed(replica_id.unique_id, pending_request.metadata.internal_request_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._loads.completed(replica_id.unique_id, internal_request_id, time.time())
@@ -132,3 +167,8 @@ class LoadAwareRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self._loads.forget({r.replica_id.unique_id for r in replicas})
+
+
+def _body(pending_request: PendingRequest | None) -> Any:
+    """A request's body: its first argument (None for a call without one)."""
+    return pending_request.args[0] if pending_request is not None and pending_request.args else None

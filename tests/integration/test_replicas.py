@@ -81,25 +81,35 @@ def first_chunk_then_drain(service: Service, model: str, stop: threading.Event, 
 
 
 def test_a_request_goes_to_the_replica_with_fewer_sequences(service: Service) -> None:
-    """One stream of n=4 on one replica: the next three single streams all go to the other (by requests, Serve's
-    default would split them)."""
+    """One stream of n=4 on one replica: the next three single streams, sent at once, all go to the other (by
+    requests, Serve's default would split them). Asserted on each replica's count of requests taken, which only
+    grows, so it does not matter when a stream ends or a replica reports."""
+    wait_for(lambda: len(replica_infos("duo")) == 2, "both replicas serving")
     stop = threading.Event()
     started = [threading.Event() for _ in range(4)]
+    start = served_by_pid("duo")
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         try:
             pool.submit(first_chunk_then_drain, service, "duo", stop, started[0], n=4)
             assert started[0].wait(60)
+            heavy = [pid for pid, count in served_by_pid("duo").items() if count > start[pid]]
             for event in started[1:]:
                 pool.submit(first_chunk_then_drain, service, "duo", stop, event)
             assert all(event.wait(60) for event in started[1:])
-            assert sorted(info["sequences"] for info in replica_infos("duo")) == [3, 4]
+            taken = {pid: count - start[pid] for pid, count in served_by_pid("duo").items()}
+            assert len(heavy) == 1 and sorted(taken.values()) == [1, 3] and taken[heavy[0]] == 1, (heavy, taken)
         finally:
             stop.set()
     wait_for(lambda: sum(info["sequences"] for info in replica_infos("duo")) == 0, "the streams ending")
 
 
+def served_by_pid(model: str) -> dict[int, int]:
+    """Each replica's count of generation requests taken, by its pid."""
+    return {info["pid"]: info["requests_served"] for info in replica_infos(model)}
+
+
 def served(model: str) -> list[int]:
-    return [info["requests_served"] for info in sorted(replica_infos(model), key=lambda info: info["pid"])]
+    return [count for _, count in sorted(served_by_pid(model).items())]
 
 
 def test_prefix_routing_keeps_a_user_on_one_replica(service: Service) -> None:
