@@ -29,7 +29,7 @@ def test_a_request_weighs_its_n_sequences() -> None:
     assert [sequences_of(body) for body in ({}, {"n": None}, {"n": 0}, None, "x")] == [1, 1, 1, 1, 1]
 
 
-def test_the_affinity_key_is_the_user_else_the_prompts_start() -> None:
+def test_the_affinity_key_is_the_user_else_the_chats_opening_else_the_prompts_start() -> None:
     chat = {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]}
     assert affinity_key({**chat, "user": "alice"}) == "user:alice"
     assert affinity_key(chat) == affinity_key(dict(chat))
@@ -37,6 +37,29 @@ def test_the_affinity_key_is_the_user_else_the_prompts_start() -> None:
     assert affinity_key({"prompt": long_a}) == affinity_key({"prompt": long_b})  # only the start counts
     assert affinity_key({"prompt": "a"}) != affinity_key({"prompt": "b"})
     assert affinity_key({"input": "embed me"}) is None and affinity_key(None) is None
+
+
+def turns(first: str, count: int, system: str = "You are terse.") -> list[dict[str, Any]]:
+    """The request bodies of a chat's first `count` turns: each repeats the turns before it and their answers."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": first}]
+    bodies = [{"messages": list(messages)}]
+    for turn in range(2, count + 1):
+        messages += [{"role": "assistant", "content": f"answer {turn - 1}"},
+                     {"role": "user", "content": f"and then {turn}?"}]
+        bodies.append({"messages": list(messages)})
+    return bodies
+
+
+def test_every_turn_of_a_short_chat_keys_alike_and_other_chats_apart() -> None:
+    chat = turns("What is the capital of France?", 3)
+    assert len({affinity_key(body) for body in chat}) == 1
+    other = turns("What is the capital of Spain?", 3)
+    assert len({affinity_key(body) for body in other}) == 1 and affinity_key(other[0]) != affinity_key(chat[0])
+    long_system = "x" * 4 * PREFIX_CHARS  # a long shared system prompt: the first question still tells chats apart
+    assert affinity_key(turns("a", 1, long_system)[0]) != affinity_key(turns("b", 1, long_system)[0])
+    assert affinity_key(turns("a", 1)[0]) != affinity_key(turns("a", 1, "You are verbose.")[0])
+    only_system = {"messages": [{"role": "system", "content": "only"}]}
+    assert affinity_key(only_system) == affinity_key({**only_system})
 
 
 def test_rendezvous_spreads_keys_and_moves_only_a_lost_replicas() -> None:

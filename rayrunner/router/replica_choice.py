@@ -9,9 +9,9 @@ Serve's request id, never by clock, so a report taken while a request was on its
 still skips a replica at its `max_ongoing_requests` and tries the next, so a full replica does not turn into a 429
 while another has room.
 
-`routing: prefix` keeps requests that share a start (a chat's earlier turns, an agent's system prompt) or the
-OpenAI `user` field on one replica (rendezvous hashing over the replicas, so adding one moves few keys), where its
-engine can reuse that prefix, unless that replica is `imbalance` sequences busier than the least loaded one.
+`routing: prefix` keeps requests of one chat (its system prompt and first user turn, which every later turn repeats)
+or of one OpenAI `user` on one replica (rendezvous hashing over the replicas, so adding one moves few keys), where
+its engine can reuse that prefix, unless that replica is `imbalance` sequences busier than the least loaded one.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 MEMORY_S = 10.0  # how long ended requests are remembered (reports come every second)
-PREFIX_CHARS = 1024  # how much of a prompt's start keys `routing: prefix`
+PREFIX_CHARS = 1024  # how much of a completion prompt's start keys `routing: prefix`
 DEFAULT_IMBALANCE = 8
 
 
@@ -37,16 +37,28 @@ def sequences_of(body: Any) -> int:
 
 
 def affinity_key(body: Any) -> str | None:
-    """What `routing: prefix` keeps together: the OpenAI `user` (a session), else the prompt's first characters."""
+    """What `routing: prefix` keeps together: the OpenAI `user` (a session), else a chat's opening (every turn of a
+    chat repeats it), else a completion prompt's first characters."""
     if not isinstance(body, Mapping):
         return None
     if isinstance(body.get("user"), str) and body["user"]:
         return "user:" + body["user"]
-    prompt = body.get("messages", body.get("prompt"))
+    if isinstance(body.get("messages"), list):
+        return "chat:" + json.dumps(chat_opening(body["messages"]), sort_keys=True, default=str)
+    prompt = body.get("prompt")
     if prompt is None:
         return None
     text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
     return "prefix:" + text[:PREFIX_CHARS]
+
+
+def chat_opening(messages: list[Any]) -> list[Any]:
+    """The messages up to and including the first user turn (the system prompt and the question that starts the
+    chat); all of them when no user turn is there."""
+    for index, message in enumerate(messages):
+        if isinstance(message, Mapping) and message.get("role") == "user":
+            return messages[:index + 1]
+    return messages
 
 
 def rendezvous(key: str, replica_ids: Sequence[str]) -> str:
