@@ -178,3 +178,52 @@ async def test_a_load_that_gets_no_room_in_time_fails_alone(tmp_path: Path) -> N
     with pytest.raises(CapacityError):
         await waiting
     assert await registry.status("b") == "unloaded" and await registry.status("a") == "loaded"
+
+
+async def _queued_behind_a_busy_model(tmp_path: Path, **config: Any) -> tuple[Registry, FakeModelApps, list[Any]]:
+    """Room for one, held by `a` with a request in flight; then one request for `b` and, after it, three for `c`."""
+    apps = FakeModelApps()
+    registry = Registry(str(tmp_path / "registry.json"), apps=apps)
+    await registry.bootstrap({"models": [entry(m) for m in "abc"], "max_loaded_models": 1, **config})
+    await registry.ensure_loaded("a")
+    await registry.report_usage("router", {"a": 1}, {"a": (time.time(), None)})
+    waiting = [asyncio.create_task(registry.ensure_loaded("b"))]
+    while "b" not in registry._room_requests:
+        await asyncio.sleep(0.001)
+    waiting += [asyncio.create_task(registry.ensure_loaded("c")) for _ in range(3)]
+    while registry._queued.get("c") != 3 or "c" not in registry._room_requests:
+        await asyncio.sleep(0.001)
+    return registry, apps, waiting
+
+
+async def test_room_goes_first_to_the_model_with_the_most_requests_queued(tmp_path: Path) -> None:
+    registry, apps, waiting = await _queued_behind_a_busy_model(tmp_path)
+    await registry.report_usage("router", {}, {"a": (time.time(), None)})  # a's request ends: room for one
+    await asyncio.gather(*waiting[1:])
+    assert [call for call in apps.calls if call[0] == "deploy"][-1] == ("deploy", app_of(registry, "c"))
+    assert not waiting[0].done()  # b waits for c's requests to be reported done
+    await registry.report_usage("router", {}, {"c": (time.time(), None)})
+    await waiting[0]
+
+
+async def test_a_load_waiting_past_the_fairness_bound_goes_first(tmp_path: Path) -> None:
+    registry, apps, waiting = await _queued_behind_a_busy_model(tmp_path, room_fairness_s=0)
+    await registry.report_usage("router", {}, {"a": (time.time(), None)})
+    await waiting[0]  # b came first, and every waiting load is past the bound: oldest first
+    assert [call for call in apps.calls if call[0] == "deploy"][-1] == ("deploy", app_of(registry, "b"))
+    await registry.report_usage("router", {}, {"b": (time.time(), None)})
+    await asyncio.gather(*waiting[1:])
+
+
+async def test_requests_past_a_models_queue_bound_are_refused_at_once(tmp_path: Path) -> None:
+    registry, _, waiting = await _queued_behind_a_busy_model(tmp_path, max_queued_requests=3)
+    with pytest.raises(CapacityError, match="max_queued_requests"):
+        await registry.ensure_loaded("c")  # the fourth for c
+    await registry.report_usage("router", {}, {"a": (time.time(), None)})
+    await asyncio.gather(*waiting[1:])
+    await registry.report_usage("router", {}, {"c": (time.time(), None)})
+    await waiting[0]
+
+
+def app_of(registry: Registry, model_id: str) -> str:
+    return registry.state.models[model_id].spec.app_name

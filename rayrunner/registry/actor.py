@@ -29,6 +29,7 @@ from typing import Any, Literal
 import ray
 
 from rayrunner.errors import (
+    CapacityError,
     ModelAlreadyLoadedError,
     ModelAlreadyUnloadedError,
     ModelLoadError,
@@ -80,6 +81,8 @@ class Registry(CapacityMixin):
         self._tasks: set[asyncio.Task[None]] = set()
         self._claims: dict[str, float] = {}  # models just loaded for a request (see `CapacityMixin._claim`)
         self._room_changed = asyncio.Event()  # set (and replaced) whenever room may have come free
+        self._room_requests: dict[str, float] = {}
+        self._queued: dict[str, int] = {}
         self._idle_timer: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ start-up
@@ -220,10 +223,19 @@ class Registry(CapacityMixin):
         await self._ensure_reconciled()
         record = self.state.serving(self._changeable(name))
         record.last_used_at = time.time()
+        model_id = record.spec.model_id
         if record.status != "loaded":
-            await asyncio.shield(self._loads.get(record.spec.model_id) or self._start_load(record))
-        self._claim(record.spec.model_id)
-        return record.spec.model_id
+            queued = self._queued.get(model_id, 0)
+            if queued >= self.config.max_queued_requests:
+                raise CapacityError(f"{queued} requests already wait for `{model_id}` to load "
+                                    f"(max_queued_requests); retry later")
+            self._queued[model_id] = queued + 1
+            try:
+                await asyncio.shield(self._loads.get(model_id) or self._start_load(record))
+            finally:
+                self._queued[model_id] -= 1
+        self._claim(model_id)
+        return model_id
 
     async def reload(self, name: str) -> dict[str, Any]:
         await self._ensure_reconciled()

@@ -101,6 +101,11 @@ class RegistryConfig(BaseModel):
     evict_mode: UnloadMode = Field("sleep", description="How a model evicted to make room is unloaded: `sleep` "
                                    "(its replica stays with the weights parked, and wakes in a fraction of a load) "
                                    "or `stop` (no replica; the next request cold-starts it).")
+    max_queued_requests: int = Field(1000, ge=1, description="Most requests that may wait for one model's load; "
+                                     "past it a request is a 503 with Retry-After (each waits at most "
+                                     "load_timeout_s).")
+    room_fairness_s: float = Field(10.0, ge=0, description="Loads waiting for room go most-requested first; one "
+                                   "that has waited this long goes before any that has not (oldest first).")
     max_asleep_models: int | None = Field(4, ge=0, description="Most models asleep at once; past it the least "
                                           "recently used sleeping one is stopped (a sleeping replica still holds "
                                           "its process, ~0.5 GB on CPU). None: no limit.")

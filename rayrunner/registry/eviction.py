@@ -2,10 +2,11 @@
 evicting idle models (`max_loaded_models`, `max_loaded_bytes`), and the keep_alive timer.
 
 A load waiting for room holds none (`lifecycle.Phase.WAITING`): room is counted over loading and loaded models
-only, so loads queued past the cap never wait on one another. Waiting loads take room one at a time, first come
-first served (the room lock is fair and never held while a load waits); one that gets none within
-`load_timeout_s` fails alone with a 503. A model just loaded for a request is protected from eviction until the
-router's next usage report counts that request (`_claims`).
+only, so loads queued past the cap never wait on one another. Waiting loads take room one at a time (the room lock
+is never held while a load waits), the one with the most requests queued for it first, so the fewest swaps serve
+the queued requests; one that has waited `room_fairness_s` goes before any that has not, oldest first. A load that
+gets no room within `load_timeout_s` fails alone with a 503. A model just loaded for a request is protected from
+eviction until the router's next usage report counts that request (`_claims`).
 
 A mixin of `rayrunner.registry.actor.Registry`, kept apart so each file holds one concept; it relies on the registry's
 state, config, per-model locks and `_unload`.
@@ -42,6 +43,8 @@ class CapacityMixin:
     _tasks: set[asyncio.Task[None]]
     _claims: dict[str, float]
     _room_changed: asyncio.Event
+    _room_requests: dict[str, float]  # loads waiting for room, and since when (monotonic)
+    _queued: dict[str, int]  # requests waiting for each model's load
 
     def _lock(self, model_id: str) -> asyncio.Lock:
         raise NotImplementedError
@@ -88,19 +91,34 @@ class CapacityMixin:
         if limits == Limits():
             record.move(Phase.LOADING)
             return
+        model_id = record.spec.model_id
         deadline = time.monotonic() + self.config.load_timeout_s
         new_bytes = await self._footprint(record)
-        while True:
-            changed = self._room_changed
-            async with self._room:
-                if await self._take_room(record, limits, new_bytes):
-                    return
-            if time.monotonic() > deadline:
-                raise CapacityError(f"no room to load `{record.spec.model_id}`: the other models are pinned, "
-                                    f"busy or loading, and none became free within "
-                                    f"{self.config.load_timeout_s:.0f} s")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), _ROOM_POLL_S)
+        self._room_requests[model_id] = time.monotonic()
+        try:
+            while True:
+                changed = self._room_changed
+                if self._next_for_room() == model_id:
+                    async with self._room:
+                        if await self._take_room(record, limits, new_bytes):
+                            return
+                if time.monotonic() > deadline:
+                    raise CapacityError(f"no room to load `{model_id}`: the other models are pinned, busy or "
+                                        f"loading, and none became free within {self.config.load_timeout_s:.0f} s")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), _ROOM_POLL_S)
+        finally:
+            del self._room_requests[model_id]
+            self._capacity_changed()  # the next in line may try now
+
+    def _next_for_room(self) -> str:
+        """The waiting load that may take room next: the longest waiting of those past `room_fairness_s`, else the
+        one with the most requests queued (the oldest on a tie)."""
+        now, fairness = time.monotonic(), self.config.room_fairness_s
+        overdue = [(since, mid) for mid, since in self._room_requests.items() if now - since >= fairness]
+        if overdue:
+            return min(overdue)[1]
+        return min(self._room_requests, key=lambda mid: (-self._queued.get(mid, 0), self._room_requests[mid]))
 
     async def _take_room(self, record: ModelRecord, limits: Limits, new_bytes: int) -> bool:
         """Under the room lock: evict what the plan names, and take the room (move to `loading`) if it is there
