@@ -45,8 +45,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the stop string or stop token that ended the reply stays in its text
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # prefix-cache blocks are shared only with requests of the same salt
-    # Makes a fresh processor per sequence that masks the tokens a grammar forbids (structured output, tool calls).
-    constraint: Callable[[], LogitsProcessor] | None = None
+    # Makes a fresh processor per sequence, given its reply's token budget (`max_tokens`), that masks the tokens a
+    # grammar forbids (structured output, tool calls).
+    constraint: Callable[[int | None], LogitsProcessor] | None = None
 
     @property
     def greedy(self) -> bool:

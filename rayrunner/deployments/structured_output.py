@@ -2,48 +2,21 @@
 
 `json_target(request)` turns a chat request's `response_format`, or its forced tool call, into a `JsonTarget`: the
 schema the grammar enforces (constrained.py compiles it), the whitespace allowed between JSON tokens, and a note for
-the system message. Under a plain JSON grammar a small model runs away, and vLLM 0.32 does the same: SmolLM2-135M
-greedy looped `"1984"\\n\\n: "1984"\\n\\n,...` on a `json_object` request until max_tokens, wrote `\\n\\n,\\n\\n`
-separators no well-formed reply has, and ran to max_tokens inside a string (`"A.A.A.A...`) on the openai SDK's
-`parse` prompt. A client that asked for a schema needs an answer it can parse, so by default:
+the system message. Under a plain JSON grammar a small model runs away (loops on a key, writes blank-line
+separators, or stays inside a string until `max_tokens`), so by default:
 
 - whitespace is compact, JSON as `json.dumps` writes it (`", "`, `": "`, nothing else): what the model read most;
 - objects with `properties` and no `additionalProperties` are closed (OpenAI strict mode's rule, xgrammar's
   default); objects without `properties` stay open (closed, they could only be `{}`);
 - strings get `maxLength` 256 and arrays `maxItems` 16 where the schema sets no bound of its own;
-- free-form objects (`json_object`, `{"type": "object"}`) are bounded: identifier keys (SmolLM2 wrote keys such as
-  `", by Elizabeth Bennickle, published..."`), at most 16 of them, values bounded as above;
+- free-form objects (`json_object`, `{"type": "object"}`) are bounded: identifier keys, at most 16 of them, values
+  bounded as above;
 - the schema is stated in the system message (compact, `title`s left out): a `json_schema` format's, or the
   arguments' of a forced call of one function, unless a message already quotes every top-level key (instructor,
   pydantic-ai's prompted output and most hand-written prompts that show an example do).
 
-Each is switchable per request (`structured_output_options`, protocol.StructuredOutputOptions). Measured on SmolLM2
-(bf16, this CPU) through this module, the engine and its grammar: 14 schema x prompt cases (Book, a nested Movie,
-a Recipe with an enum and an array, each as the openai SDK's strict schema and as plain pydantic; four
-`json_object` prompts; a named call of a tool whose schema lists only `city`; held out: an Event, a Review and
-pydantic-ai's output tool), greedy and 5 seeds at temperature 0.7, max_tokens 256, counting replies that validate
-and end by themselves (`stop`):
-
-| options | valid and `stop` | tokens |
-| --- | --- | --- |
-| all defaults | 83/84 | 4,598 |
-| all off (rayrunner before: flexible whitespace, open objects, no bounds, no note) | 61/84 | 9,092 |
-| defaults but `whitespace: flexible` | 76/84 | 6,791 |
-| defaults but no string or array bounds | 71/84 | 5,965 |
-| defaults but `strict_objects: false` (the tool's arguments got `"type": "string"`) | 81/84 | 4,932 |
-| defaults but `state_schema: false` | 80/84 | 5,224 |
-| defaults but `free_objects: open` | 78/84 | 5,210 |
-
-A repeat run (bf16 batch composition moves single sampled replies) gave the defaults 84/84, strings bounded at 128
-characters 82/84 (so 256 stays: it cuts fewer legitimate answers) and the other rows, with strings at 128, within 2
-of these.
-Choices along the way (fewer cases, max_tokens 120-200): no whitespace at all 22/27 and one newline plus indentation
-23/27, against compact 24/27 and flexible 20/27; `^[^"\\\\]{1,64}$` keys 38/42 against identifiers 41/42; a one-line
-example after the stated schema gained nothing (25 vs 25 of 27, 34 vs 33 of 36, 42 vs 42 of 42) and one reply came
-back as its skeleton (`{"title":"","author":"","year":0}`). pydantic-ai's output tool (`tool_choice: required`,
-one tool) ran to max_tokens greedily inside a string (`"author": "A.A.D.A.A...`) with only the tools prompt (5/6
-`stop`); with its arguments' schema stated, 6/6 (the whole call's schema: 6/6, but two replies made extra calls;
-a one-line example: 5/6).
+Each is switchable per request (`structured_output_options`, protocol.StructuredOutputOptions); docs/performance.md
+has what each is worth on SmolLM2.
 """
 
 from __future__ import annotations

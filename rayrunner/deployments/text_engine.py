@@ -82,7 +82,7 @@ class TextEngine(ChatTokens, Engine):
         params.constraint = self._constraint(target)
         return self._generate(ids, params, adapter, self.tool_markers(request))
 
-    def _constraint(self, target: JsonTarget | None) -> Callable[[], LogitsProcessor] | None:
+    def _constraint(self, target: JsonTarget | None) -> Callable[[int | None], LogitsProcessor] | None:
         """The grammar of a chat's JSON answer (a forced tool call's or the response_format's), if it has one."""
         return self.grammars.for_target(target)
 

@@ -339,3 +339,87 @@ async def test_json_object_replies_parse_to_objects(smollm2: TextEngine) -> None
     for text, reason in await _replies(smollm2, [request] * 4, seeds=list(range(4))):
         assert reason == "stop", text
         assert isinstance(json.loads(text), dict)
+
+
+# ---------------------------------------------------------------- budget-aware closing
+
+CAT_PROMPT = "Describe a cat in JSON."
+# What pydantic-ai 2.68's `Agent(output_type=Book)` sends by default (its tool output), with `tool_choice: required`
+# and no max_tokens: one `final_result` tool whose parameters are the output type's strict schema.
+PYDANTIC_BOOK = {"properties": {"title": {"type": "string"}, "author": {"type": "string"}, "year": {"type": "integer"}},
+                 "required": ["title", "author", "year"], "type": "object", "additionalProperties": False}
+FINAL_RESULT = {"type": "function", "function": {"name": "final_result", "parameters": PYDANTIC_BOOK, "strict": True,
+                                                 "description": "The final response which ends this conversation"}}
+
+
+def _closed_by_force(smollm2: TextEngine, grammars: Grammars, request: ChatCompletionRequest, text: str,
+                     left: int) -> str:
+    """`text` as output with `left` tokens of budget still to go, then a token a step until only EOS is allowed: the
+    one the processor forces, or while it forces none the lowest id it allows (a model that takes whatever it may).
+    The reply must fit the budget and end forced."""
+    factory = grammars.for_target(json_target(request))
+    assert factory is not None
+    output = _ids(smollm2, text)
+    budget = len(output) + left
+    processor, forced = factory(budget), False
+    allowed = _allowed(processor, output) - set(smollm2.eos_ids)
+    while allowed:
+        forced = len(allowed) == 1
+        output.append(min(allowed))
+        allowed = _allowed(processor, output) - set(smollm2.eos_ids)
+    assert forced and len(output) <= budget, smollm2.tokenizer.decode(output)
+    return str(smollm2.tokenizer.decode(output))
+
+
+@pytest.mark.parametrize("text", ['{"cat": {"name": "Tom, the very long', '{"cat": [{"colour": "black"}, ',
+                                  '{"name": "Tom", "likes": [[1, 2], ["fi', '{"cat": {"age": 3.'])
+def test_near_the_end_of_the_budget_only_the_closing_is_allowed(smollm2: TextEngine, grammars: Grammars,
+                                                                 text: str) -> None:
+    closed = _closed_by_force(smollm2, grammars, _request({"type": "json_object"}, CAT_PROMPT), text, left=12)
+    assert closed.startswith(text) and isinstance(json.loads(closed), dict), closed
+
+
+def test_far_from_the_end_the_model_chooses(smollm2: TextEngine, grammars: Grammars) -> None:
+    factory = grammars.for_target(json_target(_request({"type": "json_object"}, CAT_PROMPT)))
+    assert factory is not None
+    output = _ids(smollm2, '{"cat": {"name": "To')
+    assert len(_allowed(factory(len(output) + 40), output)) > 1000
+    assert len(_allowed(factory(None), output)) > 1000  # no budget: never forced
+
+
+def test_a_schemas_missing_required_keys_are_written(smollm2: TextEngine, grammars: Grammars) -> None:
+    strict = {**BOOK, "additionalProperties": False}
+    request = _request({"type": "json_schema", "json_schema": {"name": "Book", "schema": strict, "strict": True}})
+    closed = _closed_by_force(smollm2, grammars, request, '{"title": "Pride and Prejudice, a novel of', left=16)
+    jsonschema.validate(json.loads(closed), strict)
+
+
+def test_a_forced_call_cut_short_still_has_valid_arguments(smollm2: TextEngine, grammars: Grammars) -> None:
+    """pydantic-ai's tool output: the call's arguments are closed into an instance of the output schema."""
+    request = _request(tools=[FINAL_RESULT], tool_choice="required")
+    closed = _closed_by_force(smollm2, grammars, request, '[{"name": "final_result", "arguments": {"title": "Du',
+                              left=16)
+    (call,) = smollm2.tool_replies(request).split(closed)[1]  # type: ignore[union-attr]
+    assert call.name == "final_result"
+    jsonschema.validate(json.loads(call.arguments), PYDANTIC_BOOK)
+
+
+async def test_json_object_replies_cut_by_max_tokens_still_parse(smollm2: TextEngine) -> None:
+    """At temperature 1.0 a json_object reply about a cat ran past max_tokens inside a long string value; now every
+    reply closes its JSON within the budget."""
+    request = _request({"type": "json_object"}, CAT_PROMPT)
+    batches = await asyncio.gather(*(_replies(smollm2, [request] * 3, seeds=[1, 2, 3], max_tokens=max_tokens)
+                                     for max_tokens in (16, 40, 64)))
+    for text, _ in (reply for batch in batches for reply in batch):
+        assert isinstance(json.loads(text), dict), text
+
+
+async def test_forced_calls_cut_by_max_tokens_still_validate(smollm2: TextEngine) -> None:
+    request = _request(tools=[FINAL_RESULT], tool_choice="required", prompt=BOOK_PROMPT)
+    replies = smollm2.tool_replies(request)
+    assert replies is not None
+    for text, _ in await _replies(smollm2, [request] * 3, seeds=[1, 2, 3], max_tokens=32):
+        content, calls = replies.split(text)
+        assert content is None and calls, text
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), PYDANTIC_BOOK)

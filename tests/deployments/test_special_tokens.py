@@ -68,7 +68,7 @@ def _scripted(engine: TextEngine, text: str) -> Callable[[], LogitsProcessor]:
         forced[ids[min(len(output), len(ids) - 1)]] = 0.0
         return forced
 
-    return lambda: processor
+    return lambda budget: processor
 
 
 async def _reply(engine: TextEngine, monkeypatch: pytest.MonkeyPatch, text: str, **fields: Any) -> Any:

@@ -3,25 +3,22 @@ logits processor.
 
 `Grammars` is built once per engine from its tokenizer. It compiles a request's JSON Schema once (`json_schema`, or
 `for_target` with what structured_output.py made of the request) into a factory that `SamplingParams.constraint`
-calls per sequence; each processor owns a matcher that follows the sequence's output and masks every token the
-grammar forbids. Once the JSON is complete only EOS is allowed, so a reply ends exactly where its JSON does; EOS is
-also allowed whenever the JSON could end there (a top-level number). Whitespace between JSON tokens is compact by
-default (`json.dumps`'s separators, nothing else), or capped per gap when flexible, so a small model cannot loop on
-newlines until `max_tokens`.
+calls per sequence with the reply's token budget; each processor owns a matcher that follows the sequence's output
+and masks every token the grammar forbids. Once the JSON is complete only EOS is allowed, so a reply ends exactly
+where its JSON does; EOS is also allowed whenever the JSON could end there (a top-level number). Whitespace between
+JSON tokens is compact by default (`json.dumps`'s separators, nothing else), or capped per gap when flexible, so a
+small model cannot loop on newlines until `max_tokens`.
 
-The grammar library is llguidance, chosen over xgrammar by measurement on SmolLM2's tokenizer (49152 tokens) on this
-busy 2-core CPU (`bench/bench_structured.py`). Per-token mask along 115 tokens x 3 of an 8-property schema (nested
-object, bounded arrays, enum, pattern, format): llguidance mean 60 us, p99 0.5 ms; xgrammar 20 us, p99 60-100 us;
-this module's whole processor call (advance, mask, apply) 120 us, p99 0.7 ms. Schema compile (per request):
-llguidance 2-4 ms, xgrammar 28-38 ms; tokenizer index (per engine): 0.3-0.4 s and 0.16-0.21 s. Decode with the
-schema against without: 1.02x tok/s at 1 stream, 1.04x at 8 (noise: a step is 20-75 ms). Coverage over 28 features,
-each a valid instance that must be accepted and an invalid one that must be refused: both enforce nested objects,
-minItems/maxItems, enum, const, anyOf/oneOf, $ref/$defs (recursive too), pattern, min/maxLength, format (date-time,
-email, uuid), number bounds, exclusive bounds, multipleOf, additionalProperties, required, type lists, prefixItems and
-maxProperties; only llguidance enforces allOf and patternProperties (xgrammar let an invalid allOf through and
-refused a valid patternProperties). What neither enforces (uniqueItems, not, if/then/else) llguidance refuses with
-"Unimplemented keys: [...]", while xgrammar compiles it and lets invalid output through. A 400 that names the
-keyword beats output that breaks the schema, and the mask cost difference is lost in a decode step.
+The processor is budget-aware: it follows where the JSON stands (`json_prefix.JsonPrefix`) and, near the end of the
+budget, works out the closing text the grammar accepts (the open strings, arrays and objects closed, a pending value
+`null`, and for a schema its missing required keys written with the smallest values the grammar takes, one byte at a
+time, each byte approved by the matcher). Once the tokens left are what that text needs plus a small margin, only its
+tokens are allowed, so a reply cut by `max_tokens` still parses. Where no closing text is found within the grammar (a
+schema whose required values cannot be written in the bytes tried, a budget smaller than the shortest JSON), the
+reply is cut as before.
+
+The grammar library is llguidance, chosen over xgrammar by measurement (docs/performance.md): it enforces more of
+JSON Schema and refuses with a 400 what it does not enforce.
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ import llguidance
 import numpy as np
 import torch
 
+from rayrunner.deployments.json_prefix import JsonPrefix
 from rayrunner.deployments.sampling_params import LogitsProcessor
 from rayrunner.deployments.structured_output import JsonTarget
 from rayrunner.errors import InvalidRequestError, UnsupportedRequestError
@@ -51,6 +49,11 @@ _COMPACT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": 
 # too little for a small model to spend its whole reply on blank lines.
 _FLEXIBLE: JsonCompileOptions = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
 _MESSAGE_CHARS = 400  # of a library error quoted back to the client
+# Tokens kept in hand beyond the closing text: a free token may open a string, an array or a key that the closing
+# text then has to close too.
+_MARGIN = 4
+_LOOKAHEAD = 64  # the grammar's closing text is worked out in a reply's last tokens (or when the plain one is near)
+_MAX_CLOSING = 512  # bytes a closing text may have before the search gives up
 
 
 class Grammars:
@@ -83,10 +86,21 @@ class Grammars:
         tokenizer_size = backend.get_vocab_size(with_added_tokens=True) if backend is not None else 0
         return max(self._model_vocab_size, tokenizer_size)
 
+    @functools.cached_property
+    def byte_tokens(self) -> dict[int, int]:
+        """The token that is exactly one byte, by byte (where the vocabulary has one)."""
+        found = {}
+        for byte in range(256):
+            tokens = self.tokenizer.tokenize_bytes(bytes([byte]))
+            if len(tokens) == 1 and self.tokenizer.decode_bytes(tokens) == bytes([byte]):
+                found[byte] = tokens[0]
+        return found
+
     def json_schema(self, schema: dict[str, Any], compact: bool = True, param: str = "response_format"
-                    ) -> Callable[[], LogitsProcessor]:
-        """Compile `schema` once; each call of the result makes a fresh processor for one sequence. `compact`:
-        `json.dumps`'s separators and no other whitespace, else up to 16 whitespace characters in each gap.
+                    ) -> Callable[[int | None], LogitsProcessor]:
+        """Compile `schema` once; each call of the result makes a fresh processor for one sequence, given its reply's
+        token budget (None: unbounded). `compact`: `json.dumps`'s separators and no other whitespace, else up to 16
+        whitespace characters in each gap.
 
         A schema that is invalid, unsatisfiable or uses a keyword llguidance does not enforce (e.g. `uniqueItems`,
         `not`, `if`) is an `InvalidRequestError` on `param` whose message says which."""
@@ -99,37 +113,95 @@ class Grammars:
         if prototype.is_error():
             reason = prototype.get_error()[:_MESSAGE_CHARS]
             raise InvalidRequestError(f"unsupported JSON schema: {reason}", param=param)
-        return lambda: _JsonProcessor(prototype.deep_copy(), self.vocab_size)
 
-    def for_target(self, target: JsonTarget | None) -> Callable[[], LogitsProcessor] | None:
+        def processor(budget: int | None = None) -> LogitsProcessor:
+            return _JsonProcessor(prototype.deep_copy(), self, budget)
+
+        return processor
+
+    def for_target(self, target: JsonTarget | None) -> Callable[[int | None], LogitsProcessor] | None:
         """The constraint of a request's JSON answer (`structured_output.json_target`); None for plain text."""
         return None if target is None else self.json_schema(target.schema, target.compact, target.param)
 
 
 class _JsonProcessor:
-    """One sequence's grammar state: advances over the tokens it has not seen yet, then masks the forbidden ones.
+    """One sequence's grammar state: advances over the tokens it has not seen yet, then masks the forbidden ones, or
+    all but the next token of the closing text once the budget left is what that text needs.
 
     The mask is filled into a reused bitmask (one bit per token id, as llguidance writes it) and unpacked with numpy:
-    torch ops on a vocabulary-sized row start OpenMP regions, and waking the pool between grammar calls cost 2-5 ms
-    a call on this busy 2-core box against ~50 us for numpy. CPU logits are masked in place; others get the unpacked
+    torch ops on a vocabulary-sized row start OpenMP regions, and waking the pool between grammar calls costs far
+    more than numpy's unpack. CPU logits are masked in place; others get the unpacked
     mask copied to their device. A token the matcher refuses (only possible if something other than this mask chose
     it) leaves the matcher in its error state, whose mask allows EOS alone: the reply ends there."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, grammars: Grammars, budget: int | None) -> None:
         self.matcher = matcher
+        self.grammars = grammars
+        self.budget = budget
+        self.prefix = JsonPrefix()
         self.consumed = 0
-        self.words = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)
+        self.words = np.zeros((grammars.vocab_size + 31) // 32, dtype=np.uint32)
 
     def __call__(self, prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         for token in output_ids[self.consumed:]:
             if not self.matcher.consume_token(token):
                 logger.warning("constrained decoding: token %d refused (%s); ending the reply",
                                token, self.matcher.get_error()[:_MESSAGE_CHARS])
+            self.prefix.feed(self.grammars.tokenizer.decode_bytes([token]))
         self.consumed = len(output_ids)
-        self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
-        # Little-endian words: byte k holds the bits of ids 8k..8k+7, lowest first.
-        forbidden = np.unpackbits(self.words.view(np.uint8), count=logits.shape[-1], bitorder="little") == 0
+        closing = self._closing_token(len(output_ids))
+        if closing is not None:
+            forbidden = np.ones(logits.shape[-1], dtype=bool)
+            forbidden[closing] = False
+        else:
+            self.matcher.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
+            # Little-endian words: byte k holds the bits of ids 8k..8k+7, lowest first.
+            forbidden = np.unpackbits(self.words.view(np.uint8), count=logits.shape[-1], bitorder="little") == 0
         if logits.device.type == "cpu":
             np.copyto(logits.numpy(), -np.inf, where=forbidden)
             return logits
         return logits.masked_fill_(torch.from_numpy(forbidden).to(logits.device), float("-inf"))
+
+    def _closing_token(self, generated: int) -> int | None:
+        """The next token of the closing text when the budget left calls for it, else None (the grammar's mask)."""
+        if self.budget is None or self.matcher.is_stopped() or self.prefix.broken:
+            return None
+        left = self.budget - generated
+        if left > _LOOKAHEAD and left > len(self.prefix.closing()) + _MARGIN:
+            return None
+        tokens = self.closing_tokens()
+        return tokens[0] if tokens and len(tokens) + 1 + _MARGIN >= left else None  # the 1: EOS after it
+
+    def closing_tokens(self) -> list[int] | None:
+        """Tokens that make the output whole JSON the grammar accepts (the fewest tokenization of the closing text
+        that it takes); None when none is found."""
+        text = self._closing_bytes()
+        if not text:
+            return None
+        single = [self.grammars.byte_tokens[byte] for byte in text]
+        tokens = self.grammars.tokenizer.tokenize_bytes(text)
+        return tokens if len(tokens) < len(single) and self._completes(tokens) else single
+
+    def _closing_bytes(self) -> bytes | None:
+        """The closing text, byte by byte: at each step the first of `JsonPrefix.candidates` the matcher takes
+        (as a one-byte token); the matcher is left as it was."""
+        prefix, out = self.prefix.copy(), bytearray()
+        try:
+            while not (prefix.complete and self.matcher.is_accepting()):
+                if len(out) >= _MAX_CLOSING:
+                    return None
+                taken = next((byte for byte in prefix.candidates() if byte in self.grammars.byte_tokens
+                              and self.matcher.try_consume_tokens([self.grammars.byte_tokens[byte]]) == 1), None)
+                if taken is None:
+                    return None
+                out.append(taken)
+                prefix.feed(bytes([taken]))
+            return bytes(out)
+        finally:
+            self.matcher.rollback(len(out))
+
+    def _completes(self, tokens: list[int]) -> bool:
+        taken = self.matcher.try_consume_tokens(tokens)
+        whole = taken == len(tokens) and self.matcher.is_accepting()
+        self.matcher.rollback(taken)
+        return whole

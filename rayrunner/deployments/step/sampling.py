@@ -33,7 +33,7 @@ def logits_processors(params: SamplingParams, eos_ids: Collection[int] = ()) -> 
     if params.logit_bias:
         found.append(_logit_bias(params.logit_bias))
     if params.constraint is not None:
-        found.append(params.constraint())  # nothing after it may re-allow a token the grammar forbids
+        found.append(params.constraint(params.max_tokens))  # nothing after it may re-allow a forbidden token
     if params.min_tokens:
         found.append(_min_tokens(params.min_tokens, {*eos_ids, *params.stop_token_ids}))
     return found
