@@ -1,9 +1,9 @@
 """Cores shared, not fought over: the node's cores divided among the engines that are busy right now.
 
 Every engine on a node decodes with torch's OpenMP pool. When two busy replicas each size it to the node's core
-count, their workers outnumber the cores and spin-wait at barriers for peers that are descheduled: on a 2-core box 8
-streams to each of two models gave 17 tok/s in total against 64 and 76 for either alone (0.24x). With one thread
-each they gave 128 (1.5x one alone). A fixed count is no answer either: a model busy alone should use the node.
+count, their workers outnumber the cores and spin-wait at barriers for peers that are descheduled, and both slow to
+a fraction of either alone (figures: docs/performance.md, "Sharing the cores"). A fixed count is no answer either: a
+model busy alone should use the node.
 
 The engines divide the node's cores less one, left to the serving path (`SERVING_CORES`). Each engine holds a
 lease, a file in a node-local folder (`/dev/shm`), whose modification time it refreshes while it has work (at most
@@ -33,10 +33,8 @@ REFRESH_S = 0.1  # how often a busy engine touches its lease and recounts its pe
 STALE_S = 5.0
 SWEEP_S = 60.0  # a lease this old is deleted by whoever sees it
 # Left to the serving path: every token also crosses the proxy, the router and the replica's event loop, and a
-# client or tokenizer may run on the node. On a 2-core box (SmolLM2 bf16 over HTTP, `bench/bench_scheduling.py`)
-# an engine with 1 thread served 16 streams at 175 tok/s and 1 stream at 18.3, against 118 and 15.4 with 2 threads
-# (whose OpenMP workers waited at every barrier for the core the serving path had taken); in process, with nothing
-# else to run, 2 threads decode one stream faster (35 against 24 tok/s).
+# client or tokenizer may run on the node; an engine whose OpenMP workers take every core waits at each barrier for
+# the core the serving path took (figures: docs/performance.md, "Sharing the cores").
 SERVING_CORES = 1
 _numbers = itertools.count()  # of the leases of this process (`<pid>-<number>`)
 

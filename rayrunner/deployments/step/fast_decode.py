@@ -2,9 +2,9 @@
 such as LLaVA) in fewer, cheaper tensor operations than transformers' forward, on the same weights and the same
 `BatchCache`.
 
-A decode step feeds one token per row. At SmolLM2's size eager PyTorch spends as long on the ~1,800 small
-operations of transformers' forward as on the matmuls themselves (each costs a few microseconds to dispatch on this
-CPU), so this step keeps the arithmetic and trims the operations around it:
+A decode step feeds one token per row. For a small model eager PyTorch spends about as long dispatching the many
+small operations of transformers' forward as on the matmuls themselves, so this step keeps the arithmetic and trims
+the operations around it:
 - hidden states stay [rows, hidden] (no sequence dimension to view, transpose and copy);
 - int8 weights (`Int8Linear`) of a layer's q/k/v and of its gate/up share one tensor each (`share_storage`: views,
   no second copy), so a layer takes 4 int8 kernel calls instead of 7, made directly for a few bf16 rows;
@@ -12,20 +12,14 @@ CPU), so this step keeps the arithmetic and trims the operations around it:
 - RoPE on the query and key heads at once: one `addcmul` of the heads and their halves swapped (`roll`) against a
   sine whose first half is negated;
 - keys and values appended into room reserved in the `BatchCache` (`append`), not concatenated;
-- attention as two matmuls and a softmax over the GQA groups, without repeating the key/value heads:
-  `scaled_dot_product_attention` on CPU takes 65 us for one row of 100 cached tokens and 8.1 ms for 16 rows of
-  1,000 (per layer), the matmuls 35 us and 0.47 ms. Small caches compute in float32 (half the time of a bf16
-  matmul of that size), large ones in the model's dtype, where converting the cache would cost more than it saves;
-  on a CPU without a native bf16 GEMM (`cpu_gemm`) all do: there converting and multiplying in float32 took 1.8 ms
-  for 16 rows of 1,000 positions where bf16 took 3.5 ms (4 rows: 0.32 against 1.0 ms).
-SmolLM2 in process, 64 greedy tokens after a 40-token prompt: Q8_0 47-49 tok/s with transformers' forward, 61-64
-with this step (engine, `bench/bench_vs_mistralrs.py`: 44 -> 61-64); bf16 27 -> 30-32 (its matmuls dominate).
-What is left at Q8_0 is half the int8 kernel (9.5-11 ms a token for 135 MB, computing at ~14 GB/s on two cores;
-`torch._int_mm` on int8 activations is 8.5 ms) and half ~1,200 small operations. Tried and left out: compiling
-this step with `torch.compile` (70 tok/s after a 68 s compile), TorchScript (69 tok/s; deprecated).
+- attention as two matmuls and a softmax over the GQA groups, without repeating the key/value heads (cheaper on CPU
+  than `scaled_dot_product_attention` for one query token per row). Up to `FLOAT32_ATTENTION_MAX` cached positions
+  over all rows it computes in float32, past that in the model's dtype, where converting the cache would cost more
+  than it saves; on a CPU without a native bf16 GEMM (`cpu_gemm`) always in float32.
 
 Prefill (images included), LoRA adapters (peft replaces the Linears), and other architectures keep transformers'
-forward: `FastDecode.for_model` says None for a model whose decoder layers it does not cover.
+forward: `FastDecode.for_model` says None for a model whose decoder layers it does not cover. What this step gains,
+and what was tried and left out, is in docs/performance.md ("Decode").
 """
 
 from __future__ import annotations
