@@ -227,3 +227,15 @@ async def test_requests_past_a_models_queue_bound_are_refused_at_once(tmp_path: 
 
 def app_of(registry: Registry, model_id: str) -> str:
     return registry.state.models[model_id].spec.app_name
+
+
+async def test_a_popular_model_stays_when_a_rarely_used_one_was_used_since(tmp_path: Path) -> None:
+    """Room for two: `a` had ten requests, then `b` one; loading `c` evicts `b`, though `a` was used longer ago."""
+    registry = Registry(str(tmp_path / "registry.json"), apps=FakeModelApps())
+    await registry.bootstrap({"models": [entry(m) for m in "abc"], "max_loaded_models": 2})
+    for model_id, begun in (("a", 10), ("b", 1)):
+        await registry.ensure_loaded(model_id)
+        await registry.report_usage("router", {}, {model_id: (time.time(), None, begun)})
+    await registry.ensure_loaded("c")
+    assert {mid: r.status for mid, r in registry.state.models.items()} == {
+        "a": "loaded", "b": "unloaded", "c": "loaded"}

@@ -1,7 +1,11 @@
 """Capacity rules, pure and without Ray: which idle models to evict to make room.
 
-The registry actor applies them: before a load it asks `plan_room` which loaded models to unload (least recently
-used first, the cheaper reload first on a tie); `keep_alive` durations are `rayrunner.models.keep_alive`.
+The registry actor applies them: before a load it asks `plan_room` which loaded models to unload: the one whose
+eviction is expected to cost least first, by how often it is wanted (its recent uses, decayed with
+`USE_HALF_LIFE_S`) times what bringing it back costs (its last load's seconds); the least recently used first on
+a tie, so models nobody has used yet go in LRU order. `keep_alive` durations are `rayrunner.models.keep_alive`. A model
+whose size is unknown (`rayrunner.models.footprint`: weights not on the registry's machine, a GPU's default KV
+budget before a replica reported it) counts as `unknown_bytes` says until its replica reports what it holds.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from dataclasses import dataclass
 from rayrunner.errors import ModelTooLargeError
 
 IDLE = "idle"
+USE_HALF_LIFE_S = 120.0  # a request's weight in a model's recent uses halves every this many seconds
+_MIN_LOAD_S = 0.1  # a model never measured costs at least this to bring back
 EVICTED_MODELS = "evicted: max_loaded_models"
 EVICTED_BYTES = "evicted: max_loaded_bytes"
 EVICTED_ASLEEP = "evicted: max_asleep_models"
@@ -21,10 +27,15 @@ class Occupant:
     """A model that holds (or is about to hold) memory, as the capacity plan sees it."""
 
     model_id: str
-    bytes: int = 0
+    bytes: int | None = 0  # None: unknown (`unknown_bytes`)
     last_used: float = 0.0
     load_seconds: float = 0.0
     evictable: bool = True  # loaded, not pinned, no request in flight
+    uses: float = 0.0  # recent requests, decayed (`decayed_uses`)
+
+    def eviction_cost(self) -> float:
+        """Expected cost of evicting it: how often it is wanted times how long it takes to bring back."""
+        return self.uses * max(self.load_seconds, _MIN_LOAD_S)
 
 
 @dataclass(frozen=True)
@@ -42,23 +53,35 @@ class RoomPlan:
     blocked: bool = False
 
 
-def plan_room(limits: Limits, occupants: list[Occupant], new_bytes: int) -> RoomPlan:
-    """What to evict so one more model (of `new_bytes`) fits: least recently used first, then the cheaper reload.
-    Raises ModelTooLargeError when the model cannot fit even alone."""
-    if limits.max_bytes is not None and new_bytes > limits.max_bytes:
+def plan_room(limits: Limits, occupants: list[Occupant], new_bytes: int | None) -> RoomPlan:
+    """What to evict so one more model (of `new_bytes`; None: unknown) fits: least recently used first, then the
+    cheaper reload. Raises ModelTooLargeError when the model cannot fit even alone."""
+    if limits.max_bytes is not None and new_bytes is not None and new_bytes > limits.max_bytes:
         raise ModelTooLargeError(
             f"the model needs about {new_bytes} bytes, more than max_loaded_bytes ({limits.max_bytes}) allows "
             "even with every other model unloaded", param="model")
-    count, total = len(occupants), sum(o.bytes for o in occupants)
+    stand_in = unknown_bytes(limits, [new_bytes, *(o.bytes for o in occupants)])
+    sizes = {o.model_id: stand_in if o.bytes is None else o.bytes for o in occupants}
+    new_bytes = stand_in if new_bytes is None else new_bytes
+    count, total = len(occupants), sum(sizes.values())
     victims: list[tuple[str, str]] = []
-    candidates = sorted((o for o in occupants if o.evictable), key=lambda o: (o.last_used, o.load_seconds))
+    candidates = sorted((o for o in occupants if o.evictable),
+                        key=lambda o: (o.eviction_cost(), o.last_used, o.load_seconds))
     for candidate in candidates:
         reason = _over(limits, count, total, new_bytes)
         if reason is None:
             break
         victims.append((candidate.model_id, reason))
-        count, total = count - 1, total - candidate.bytes
+        count, total = count - 1, total - sizes[candidate.model_id]
     return RoomPlan(victims, blocked=_over(limits, count, total, new_bytes) is not None)
+
+
+def unknown_bytes(limits: Limits, sizes: list[int | None]) -> int:
+    """What a model of unknown size counts as: the largest size known among `sizes` (the model to load and those
+    holding room), within max_loaded_bytes; all of max_loaded_bytes when none is known, so that it loads alone."""
+    known = [size for size in sizes if size is not None]
+    ceiling = limits.max_bytes or 0
+    return min(max(known), ceiling) if known else ceiling
 
 
 def _over(limits: Limits, count: int, total: int, new_bytes: int) -> str | None:
@@ -68,6 +91,11 @@ def _over(limits: Limits, count: int, total: int, new_bytes: int) -> str | None:
     if limits.max_bytes is not None and total + new_bytes > limits.max_bytes:
         return EVICTED_BYTES
     return None
+
+
+def decayed_uses(uses: float, since: float, now: float, new: int = 0) -> float:
+    """A model's recent uses at `now`, from `uses` counted at `since`, plus `new` requests now."""
+    return uses * 0.5 ** (max(0.0, now - since) / USE_HALF_LIFE_S) + new
 
 
 IN_FLIGHT_TTL_S = 10.0  # a router's in-flight report counts this long unless refreshed (routers re-send while busy)

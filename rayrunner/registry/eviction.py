@@ -21,9 +21,17 @@ import time
 from typing import Any
 
 from rayrunner.errors import CapacityError
-from rayrunner.models.footprint import estimate_bytes
+from rayrunner.models.footprint import estimate_bytes, replica_measures
 from rayrunner.models.keep_alive import KeepAlive, idle_deadline
-from rayrunner.registry.capacity import EVICTED_ASLEEP, IDLE, InFlightBook, Limits, Occupant, plan_room
+from rayrunner.registry.capacity import (
+    EVICTED_ASLEEP,
+    IDLE,
+    InFlightBook,
+    Limits,
+    Occupant,
+    decayed_uses,
+    plan_room,
+)
 from rayrunner.registry.config import RegistryConfig
 from rayrunner.registry.lifecycle import OCCUPYING, Phase
 from rayrunner.registry.state import ModelRecord, RegistryState, UnloadMode
@@ -53,19 +61,24 @@ class CapacityMixin:
         raise NotImplementedError
 
     async def report_usage(self, router_id: str, in_flight: dict[str, int],
-                           used: dict[str, tuple[float, KeepAlive]]) -> None:
+                           used: dict[str, tuple[float, KeepAlive] | tuple[float, KeepAlive, int]]) -> None:
         """A router replica's batch: its open requests per model now, and per model used since its last report the
-        last use time and that request's own keep_alive (None: the model's)."""
-        self._in_flight.report(router_id, in_flight, time.time())
+        last use time, that request's own keep_alive (None: the model's) and how many requests began (one if not
+        said)."""
+        now = time.time()
+        self._in_flight.report(router_id, in_flight, now)
         for model_id in in_flight:  # counted now: the in-flight book protects it
             self._claims.pop(model_id, None)
-        for model_id, (at, keep_alive) in used.items():
+        for model_id, (at, keep_alive, *begun) in used.items():
             if at >= self._claims.get(model_id, float("inf")):  # the router has seen its request since
                 self._claims.pop(model_id, None)
             record = self.state.models.get(model_id)
             if record is not None:
                 record.last_used_at = max(record.last_used_at or 0.0, at)
                 record.request_keep_alive = keep_alive
+                record.recent_uses = decayed_uses(record.recent_uses, record.recent_uses_at or now, now,
+                                                  begun[0] if begun else 1)
+                record.recent_uses_at = now
         self._capacity_changed()
 
     def _claim(self, model_id: str) -> None:
@@ -139,17 +152,19 @@ class CapacityMixin:
             if model_id == loading or record.phase not in OCCUPYING:
                 continue
             evictable = record.phase == Phase.LOADED and not self.state.pinned(model_id) and not self._busy(model_id)
+            uses = decayed_uses(record.recent_uses, record.recent_uses_at or 0.0, time.time())
             occupants.append(Occupant(model_id, await self._footprint(record), record.last_used_at or 0.0,
-                                      record.load_seconds or 0.0, evictable))
+                                      record.load_seconds or 0.0, evictable, uses))
         return occupants
 
-    async def _footprint(self, record: ModelRecord) -> int:
-        """Estimated bytes (only counted under `max_loaded_bytes`); measured weights once the model has loaded."""
+    async def _footprint(self, record: ModelRecord) -> int | None:
+        """Estimated bytes (only counted under `max_loaded_bytes`; None: unknown, estimated again next time);
+        measured weights and KV budget once the model has loaded."""
         if self.config.max_loaded_bytes is None:
             return 0
         if record.estimated_bytes is None:
-            measured = record.info.get("weight_bytes")
-            record.estimated_bytes = await asyncio.to_thread(estimate_bytes, record.spec, measured)
+            measured = replica_measures(record.info)
+            record.estimated_bytes = await asyncio.to_thread(estimate_bytes, record.spec, *measured)
         return record.estimated_bytes
 
     async def _evict(self, model_id: str, reason: str) -> None:

@@ -90,7 +90,10 @@ class ModelRecord(BaseModel):
     keep_alive: KeepAlive = None
     request_keep_alive: KeepAlive = Field(None, description="The last request's own keep_alive, which wins.")
     last_used_at: float | None = None
-    load_seconds: float | None = Field(None, description="How long the last load took (the eviction tie-breaker).")
+    load_seconds: float | None = Field(None, description="How long the last load took (what evicting it costs).")
+    recent_uses: float = Field(0.0, description="Requests lately, each weighing half as much every "
+                               "`capacity.USE_HALF_LIFE_S` (how often the model is wanted, for eviction).")
+    recent_uses_at: float | None = Field(None, description="When `recent_uses` was last counted.")
     unloaded_reason: str | None = Field(None, description="`user`, `idle`, or `evicted: <limit>`.")
     unload_mode: UnloadMode | None = Field(None, description="`stop`: no replica; `sleep`: the replica process "
                                            "stays with its weights freed, and wakes in a fraction of a load.")
