@@ -164,6 +164,7 @@ def test_the_replica_checks_the_spec_it_was_given(tmp_path: Path) -> None:
      "engine.vllm.engine_args.tokenizer"),
     ({"vllm": {"engine_args": {"download_dir": "/tmp"}}}, "engine.vllm.engine_args.download_dir"),
     ({"backend": "vllm", "vllm": {"python": "/bin/sh"}}, "engine.vllm.python"),
+    ({"image_url_allowlist": ["http://169.254.169.254/"]}, "engine.image_url_allowlist"),
 ])
 def test_a_model_added_at_runtime_sets_only_vllm_tuning(engine: dict[str, Any], param: str) -> None:
     spec = build_spec("m", SMOL, None, engine)
@@ -171,6 +172,7 @@ def test_a_model_added_at_runtime_sets_only_vllm_tuning(engine: dict[str, Any], 
         SourcePolicy(local_roots=["/"], hub_orgs=["*"]).confine(spec)
     assert caught.value.param == param and caught.value.status == 403
     assert SourcePolicy.allow_all().confine(spec).engine.vllm == spec.engine.vllm  # a Runner's own service
+    assert SourcePolicy.allow_all().confine(spec).engine.image_url_allowlist == spec.engine.image_url_allowlist
 
 
 def test_tuning_arguments_pass_and_the_spec_carries_the_policy(tmp_path: Path) -> None:

@@ -61,9 +61,10 @@ class SourcePolicy(BaseModel):
                                    "models added at runtime may load from; `/` allows every local path.")
     hub_orgs: list[str] = Field(default_factory=list, description="Hugging Face organisations (or users) whose "
                                 "repositories models added at runtime may load from; `*` allows every one.")
-    engine_overrides: bool = Field(False, description="Models added at runtime may also set `engine.vllm.python` and "
+    engine_overrides: bool = Field(False, description="Models added at runtime may also set `engine.vllm.python`, "
                                    "any `engine.vllm.engine_args` (`trust_remote_code`, `tokenizer`, ...), not only "
-                                   "the tuning ones: for callers trusted as the operator is.")
+                                   "the tuning ones, and `engine.image_url_allowlist`: for callers trusted as the "
+                                   "operator is.")
 
     @classmethod
     def allow_all(cls) -> SourcePolicy:
@@ -75,6 +76,7 @@ class SourcePolicy(BaseModel):
         self.check(spec.which)
         if not self.engine_overrides:
             _check_tuning_only(spec.engine.vllm)
+            _check_no_image_fetches(spec.engine.image_url_allowlist)
         return carrying(spec, None if self._every_path() else self)
 
     def check(self, which: AnyWhich) -> None:
@@ -129,6 +131,15 @@ class SourcePolicy(BaseModel):
 def carrying(spec: ModelSpec, policy: SourcePolicy | None) -> ModelSpec:
     """`spec` with `policy` as its `engine.sources`."""
     return spec.model_copy(update={"engine": spec.engine.model_copy(update={"sources": policy})})
+
+
+def _check_no_image_fetches(allowlist: list[str]) -> None:
+    """A model added at runtime fetches no remote images: its allow-list would have the server fetch any URL it
+    names for any client (the service's config may set one)."""
+    if allowlist:
+        raise PermissionDeniedError("engine.image_url_allowlist: a model added at runtime fetches no remote images "
+                                    "(the router's `sources.engine_overrides` allows it)",
+                                    param="engine.image_url_allowlist")
 
 
 def _check_tuning_only(settings: VllmSettings) -> None:
