@@ -41,6 +41,8 @@ def status(model: dict[str, Any]) -> str:
     1.2 GiB/3.4 GiB)") and whether an unloaded one sleeps."""
     if _sleeping(model):
         return "unloaded (sleeping)"
+    if model.get("phase") == "waiting_for_room":
+        return "reloading (waiting for room)"
     progress = model.get("load_progress")
     if model["status"] != "reloading" or not progress:
         return str(model["status"])

@@ -47,7 +47,7 @@ from rayrunner.models.spec import ModelSpec
 from rayrunner.registry.capacity import InFlightBook
 from rayrunner.registry.config import RegistryConfig
 from rayrunner.registry.eviction import CapacityMixin
-from rayrunner.registry.lifecycle import Phase
+from rayrunner.registry.lifecycle import PHASES, Phase
 from rayrunner.registry.model_apps import ModelApps, ServeModelApps
 from rayrunner.registry.replica_watch import watch_replicas
 from rayrunner.registry.state import ModelEntry, ModelRecord, RegistryState, UnloadMode
@@ -511,6 +511,7 @@ class Registry(CapacityMixin):
         self.state.save(self.path)
         for model_id, record in self.state.models.items():
             metrics.model_status(model_id, record.status)
+            metrics.model_phase(model_id, record.phase, PHASES)
         self._changes += 1
         self._changed.set()  # wakes every routing_table long poll; later polls wait on a fresh event
         self._changed = asyncio.Event()

@@ -45,6 +45,7 @@ STATUS: dict[Phase, Status] = {
     Phase.LOADED: "loaded",
 }
 
+PHASES: tuple[str, ...] = tuple(phase.value for phase in Phase)
 # What capacity counts as holding memory (or about to): never a load that still waits for room.
 OCCUPYING = frozenset({Phase.LOADING, Phase.LOADED})
 

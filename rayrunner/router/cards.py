@@ -18,6 +18,7 @@ def model_object(card: dict[str, Any]) -> dict[str, Any]:
         "created": int(card["registered_at"]),
         "owned_by": "rayrunner",
         "status": card["status"],
+        "phase": card.get("phase"),  # the lifecycle phase behind the status (rayrunner/registry/lifecycle.py)
         "aliases": card["aliases"],
         "is_default": card["is_default"],
         "kind": card["kind"],

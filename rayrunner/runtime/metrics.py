@@ -91,6 +91,15 @@ def model_status(model: str, status: str) -> None:
         _held.forget_model(model)
 
 
+def model_phase(model: str, phase: str, phases: tuple[str, ...]) -> None:
+    """One gauge per (model, phase of its lifecycle): 1 for the phase now (its tier: loaded, asleep, stopped, or
+    waiting for room, loading, failed), 0 for the others."""
+    gauge = _gauge("rayrunner_model_phase", "1 for the model's lifecycle phase now (asleep, stopped, waiting_for_room, "
+                   "loading, loaded, failed).", "phase")
+    for each in phases:
+        _held.set(gauge, 1.0 if each == phase else 0.0, {"model": model, "phase": each})
+
+
 def model_loaded(model: str, seconds: float, weight_bytes: int | None) -> None:
     _counter("rayrunner_model_loads", "Model loads, by result.", "result").inc(tags={"model": model, "result": "ok"})
     _histogram("rayrunner_model_load_seconds", "Seconds from the start of a load to the model serving.",

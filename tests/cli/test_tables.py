@@ -32,6 +32,11 @@ def test_memory_is_weights_when_loaded_held_bytes_when_sleeping_else_none() -> N
     assert cells(model(status="reloading"))["MEMORY"] == "-"
 
 
+def test_a_load_waiting_for_room_says_so() -> None:
+    assert cells(model(status="reloading", phase="waiting_for_room"))["STATUS"] == "reloading (waiting for room)"
+    assert cells(model(status="reloading", phase="loading"))["STATUS"] == "reloading"
+
+
 def test_default_aliases_quantization_and_a_long_error() -> None:
     found = cells(model(is_default=True, aliases=["a", "b"], spec={"in_situ_quant": "Q4K"}, in_flight=3,
                         last_error="x" * 200 + "\nsecond line"))

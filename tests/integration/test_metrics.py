@@ -14,6 +14,7 @@ from tests.conftest import Service, model_entry
 
 EXPECTED = [
     'ray_rayrunner_model_status{.*model="tiny".*status="loaded".*} 1',
+    'ray_rayrunner_model_phase{.*model="tiny".*phase="loaded".*} 1',
     'ray_rayrunner_model_loads_total{.*model="tiny".*result="ok".*}',
     'ray_rayrunner_model_unloads_total{.*model="tiny".*reason="user".*}',
     'ray_rayrunner_model_load_seconds_bucket{.*model="tiny".*}',
