@@ -34,6 +34,7 @@ from rayrunner.registry.capacity import (
     Occupant,
     decayed_uses,
     plan_room,
+    reload_cost,
     unknown_bytes,
 )
 from rayrunner.registry.state import ModelEntry
@@ -84,9 +85,15 @@ def test_the_model_wanted_least_often_for_its_reload_cost_goes_first() -> None:
     popular = Occupant("popular", last_used=1.0, load_seconds=1.0, uses=10.0)
     rare = Occupant("rare", last_used=9.0, load_seconds=1.0, uses=1.0)
     assert plan_room(Limits(max_models=2), [popular, rare], 0).victims == [("rare", EVICTED_MODELS)]
-    slow = Occupant("slow", last_used=1.0, load_seconds=8.0, uses=2.0)
-    fast = Occupant("fast", last_used=9.0, load_seconds=1.0, uses=2.0)
+    slow = Occupant("slow", last_used=1.0, uses=2.0, reload_cost=reload_cost(7.0, evicted_to_sleep=False))
+    fast = Occupant("fast", last_used=9.0, uses=2.0, reload_cost=reload_cost(1.2, evicted_to_sleep=False))
     assert plan_room(Limits(max_models=2), [slow, fast], 0).victims == [("fast", EVICTED_MODELS)]
+
+
+def test_a_wake_costs_alike_and_cold_loads_by_their_power_of_two() -> None:
+    assert reload_cost(30.0, evicted_to_sleep=True) == reload_cost(None, evicted_to_sleep=False) == 1.0
+    assert reload_cost(7.0, evicted_to_sleep=False) == reload_cost(9.0, evicted_to_sleep=False) == 8.0
+    assert reload_cost(0.1, evicted_to_sleep=False) == 0.5
 
 
 def test_recent_uses_halve_every_half_life() -> None:

@@ -2,21 +2,22 @@
 
 The registry actor applies them: before a load it asks `plan_room` which loaded models to unload: the one whose
 eviction is expected to cost least first, by how often it is wanted (its recent uses, decayed with
-`USE_HALF_LIFE_S`) times what bringing it back costs (its last load's seconds); the least recently used first on
-a tie, so models nobody has used yet go in LRU order. `keep_alive` durations are `rayrunner.models.keep_alive`. A model
-whose size is unknown (`rayrunner.models.footprint`: weights not on the registry's machine, a GPU's default KV
-budget before a replica reported it) counts as `unknown_bytes` says until its replica reports what it holds.
+`USE_HALF_LIFE_S`, so of two used as often the one used longer ago goes) times what bringing it back costs (a wake,
+or its cold load's seconds when eviction stops models); the least recently used first on a tie. `keep_alive`
+durations are `rayrunner.models.keep_alive`. A model whose size is unknown (`rayrunner.models.footprint`: weights
+not on the registry's machine, a GPU's default KV budget before a replica reported it) counts as `unknown_bytes`
+says until its replica reports what it holds.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from rayrunner.errors import ModelTooLargeError
 
 IDLE = "idle"
 USE_HALF_LIFE_S = 120.0  # a request's weight in a model's recent uses halves every this many seconds
-_MIN_LOAD_S = 0.1  # a model never measured costs at least this to bring back
 EVICTED_MODELS = "evicted: max_loaded_models"
 EVICTED_BYTES = "evicted: max_loaded_bytes"
 EVICTED_ASLEEP = "evicted: max_asleep_models"
@@ -32,10 +33,19 @@ class Occupant:
     load_seconds: float = 0.0
     evictable: bool = True  # loaded, not pinned, no request in flight
     uses: float = 0.0  # recent requests, decayed (`decayed_uses`)
+    reload_cost: float = 1.0  # what bringing it back from where eviction sends it costs (`reload_cost`)
 
     def eviction_cost(self) -> float:
-        """Expected cost of evicting it: how often it is wanted times how long it takes to bring back."""
-        return self.uses * max(self.load_seconds, _MIN_LOAD_S)
+        """Expected cost of evicting it: how often it is wanted times what bringing it back costs."""
+        return self.uses * self.reload_cost
+
+
+def reload_cost(load_seconds: float | None, evicted_to_sleep: bool) -> float:
+    """A wake costs about the same for every model (1); a stopped model's cold load costs its last load's seconds,
+    rounded to a power of two so that noise in a measurement does not reorder models of one kind."""
+    if evicted_to_sleep or not load_seconds:
+        return 1.0
+    return float(2 ** round(math.log2(max(load_seconds, 0.5))))
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from rayrunner.registry.capacity import (
     Occupant,
     decayed_uses,
     plan_room,
+    reload_cost,
 )
 from rayrunner.registry.config import RegistryConfig
 from rayrunner.registry.lifecycle import OCCUPYING, Phase
@@ -154,7 +155,8 @@ class CapacityMixin:
             evictable = record.phase == Phase.LOADED and not self.state.pinned(model_id) and not self._busy(model_id)
             uses = decayed_uses(record.recent_uses, record.recent_uses_at or 0.0, time.time())
             occupants.append(Occupant(model_id, await self._footprint(record), record.last_used_at or 0.0,
-                                      record.load_seconds or 0.0, evictable, uses))
+                                      record.load_seconds or 0.0, evictable, uses,
+                                      reload_cost(record.load_seconds, self.config.evict_mode == "sleep")))
         return occupants
 
     async def _footprint(self, record: ModelRecord) -> int | None:
