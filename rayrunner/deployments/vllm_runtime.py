@@ -10,6 +10,7 @@ under transformers 5.19 in 3 s; vLLM's engine starts in ~35 s eager (~230 s with
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -21,20 +22,38 @@ from rayrunner.models.spec import EngineSettings
 from rayrunner.runtime import transport
 
 PYTHON_ENV_VAR = "RAYRUNNER_VLLM_PYTHON"
-CHECKOUT_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"  # made by scripts/install_vllm.sh
+CHECKOUT = Path(__file__).resolve().parents[2]  # the source checkout, when rayrunner runs from one
 
 
-def vllm_python(settings: EngineSettings) -> str | None:
+def checkout_venv(checkout: Path = CHECKOUT) -> Path | None:
+    """The checkout's `.venv-vllm` (made by scripts/install_vllm.sh); None for an installed package (a wheel),
+    which has no checkout around it."""
+    return checkout / ".venv-vllm" if (checkout / "scripts" / "install_vllm.sh").is_file() else None
+
+
+def vllm_python(settings: EngineSettings, checkout: Path = CHECKOUT) -> str | None:
     """The interpreter of a vLLM model's replicas: the spec's, `$RAYRUNNER_VLLM_PYTHON`, None when this one
     imports vllm (the replica then runs like any other), else the checkout's `.venv-vllm`."""
     chosen = settings.vllm.python or os.environ.get(PYTHON_ENV_VAR)
     if chosen is None and importlib.util.find_spec("vllm") is not None:
         return None
-    python = Path(chosen).expanduser() if chosen else CHECKOUT_VENV / "bin" / "python"
+    if chosen:
+        python = Path(chosen).expanduser()
+    else:
+        venv = checkout_venv(checkout)
+        if venv is None:
+            raise InvalidSpecError(
+                "engine.backend `vllm`: this interpreter has no vLLM and an installed rayrunner has no checkout "
+                "`.venv-vllm`; make a venv with vLLM, the same Ray "
+                f"(`ray[serve]=={importlib.metadata.version('ray')}`) and rayrunner (`pip install --no-deps "
+                f"rayrunner`), and name its python in engine.vllm.python or ${PYTHON_ENV_VAR}",
+                param="engine")
+        python = venv / "bin" / "python"
     if not python.is_file():
         raise InvalidSpecError(
-            f"engine.backend `vllm`: no interpreter with vLLM at `{python}`; run `bash scripts/install_vllm.sh` or "
-            f"name one in engine.vllm.python or ${PYTHON_ENV_VAR}", param="engine")
+            f"engine.backend `vllm`: no interpreter with vLLM at `{python}`; run `bash scripts/install_vllm.sh` in "
+            f"a checkout, or name a venv's python (vLLM, the same Ray, rayrunner) in engine.vllm.python or "
+            f"${PYTHON_ENV_VAR}", param="engine")
     return str(python)
 
 
