@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,13 @@ class Figures:
     prompt_tokens: float  # mean prompt tokens per request (chat template included), as the server counted them
     requests: int
     errors: int
+
+
+def median_figures(runs: list[Figures]) -> Figures:
+    """Each figure's median over `runs` (rounds of one side), with their requests and errors summed."""
+    medians = {f.name: statistics.median(getattr(run, f.name) for run in runs) for f in fields(Figures)}
+    return Figures(**{**medians, "requests": sum(run.requests for run in runs),
+                      "errors": sum(run.errors for run in runs)})
 
 
 def aiperf_command() -> Path:

@@ -2,7 +2,8 @@
 Serve, on free ports in 30000-32000 so a benchmark never collides with the test suite (20000-30000).
 
 `start_cluster` sets Ray's environment (no token auth, no usage stats, normal worker priority, offline hub)
-before the cluster starts; Ray reads these when it starts, not when it is imported.
+before the cluster starts; Ray reads these when it starts, not when it is imported. vLLM's CPU thread settings
+(`VLLM_CPU_*`) in the driver's environment reach every replica.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def start_cluster(dashboard_port: int | None = None, http_port: int | None = Non
     dashboard_port = dashboard_port or free_port(used)
     http_port = http_port or free_port(used)
     env = {k: os.environ[k] for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED", "HF_HUB_OFFLINE")}
+    env.update({key: value for key, value in os.environ.items() if key.startswith("VLLM_CPU_")})
     if os.environ.get("RAYRUNNER_CACHE_DIR"):
         env["RAYRUNNER_CACHE_DIR"] = os.environ["RAYRUNNER_CACHE_DIR"]
     ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_port=dashboard_port,

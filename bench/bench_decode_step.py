@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import torch
+from cpu_kind import cpu_line
 
 
 def load(level: str) -> Any:
@@ -72,6 +73,7 @@ def main() -> None:
 
     from rayrunner.deployments.step.fast_decode import FastDecode
 
+    print(cpu_line())
     print(f"SmolLM2, CPU, {torch.get_num_threads()} torch threads, {args.steps} steps, median of {args.rounds}")
     print(f"{'level':6} {'rows x context':>14} {'transformers':>12} {'fast step':>10} {'ratio':>6}")
     for level in args.levels:

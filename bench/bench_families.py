@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cpu_kind import cpu_line
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rayrunner.deployments.sampling_params import SamplingParams
@@ -144,7 +145,7 @@ def main() -> None:
             for model in models:
                 model.engine.close()
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
-    print(f"\nbf16, CPU, {args.threads} torch threads, long prompt {models[0].prompt_tokens} tokens, "
+    print(f"\n{cpu_line()}\nbf16, CPU, {args.threads} torch threads, long prompt {models[0].prompt_tokens} tokens, "
           f"median of {args.reps}")
     print(f"{'model':<14}{'alone s':>9}{'busy s':>9}{'busy/alone':>12}  target <= {TARGET}   (family; per round)")
     summary = []

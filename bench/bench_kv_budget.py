@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import httpx
+from cpu_kind import cpu_line
 from rayrunner_service import rayrunner_service, smollm2_spec, stream_chunks
 
 MODEL = "smollm2"
@@ -122,7 +123,7 @@ def main() -> None:
         metric = preemptions_metric()
     errors = [r for r in together if "error" in r]
     same = sum(a.get("text") == b.get("text") for a, b in zip(together, alone, strict=True))
-    print(f"| figure | value |\n|---|---|\n| requests | {args.requests} x ({args.prompt_tokens} prompt + "
+    print(f"{cpu_line()}\n| figure | value |\n|---|---|\n| requests | {args.requests} x ({args.prompt_tokens} prompt + "
           f"{args.max_tokens} generated tokens) |")
     print(f"| KV budget | {budget:,} bytes ({args.budget_tokens} positions) |")
     print(f"| completed | {len(together) - len(errors)} of {len(together)}, in {seconds:.0f} s; errors: {errors} |")

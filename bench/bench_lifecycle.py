@@ -40,6 +40,7 @@ import httpx
 import ray
 import torch
 from bench_cluster import start_cluster
+from cpu_kind import cpu_line
 from ray import serve
 from transformers import AutoModelForCausalLM
 
@@ -213,7 +214,7 @@ def main() -> None:
         ray.shutdown()
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
-    print(f"\nUnload / reload via the router's admin HTTP API vs bare in-process load, {SMOLLM2}, bf16, "
+    print(f"\n{cpu_line()}\nUnload / reload via the router's admin HTTP API vs bare in-process load, {SMOLLM2}, bf16, "
           f"{args.threads} torch threads, median of {args.cycles} cycles (seconds)")
     header = ("model", "ISQ", "unload", "reload", "pre-load", "load", "post-load", "1st req", "bare load",
               "bare quant", "reload/bare")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from bench_scheduling import PROMPTS
+from cpu_kind import cpu_line
 from rayrunner_service import BASE_ID, add_model, rayrunner_service, smollm2_spec, stream_chunks
 
 COPIES = [smollm2_spec(f"{BASE_ID}-q8_0", "Q8_0"), smollm2_spec(f"{BASE_ID}-copy")]
@@ -121,6 +122,7 @@ async def measure(base: str, args: argparse.Namespace) -> dict[str, Case]:
 
 
 def report(cases: dict[str, Case], args: argparse.Namespace) -> None:
+    print(f"\n{cpu_line()}")
     print(f"\nSmolLM2-135M-Instruct, CPU, {args.streams} streams per busy model, {args.max_tokens} tokens asked a "
           f"request (ignore_eos), greedy, {args.duration:.0f} s window; one run\n")
     print("| case | total output tok/s | per model tok/s | tokens / request |")

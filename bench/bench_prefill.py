@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from bench_decode_step import load
+from cpu_kind import cpu_line
 
 from rayrunner.quantization import cpu_gemm
 from rayrunner.quantization.cpu_gemm import WideLinear, native_half_gemm
@@ -55,7 +56,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["1x40", "1x400", "8x100"], help="ROWSxTOKENS")
     parser.add_argument("--rounds", type=int, default=5, help="measurements per side and case (median shown)")
     args = parser.parse_args()
-    print(f"SmolLM2 prefill, CPU ({torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM: "
+    print(f"{cpu_line()}\nSmolLM2 prefill, CPU ({torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM: "
           f"{native_half_gemm(torch.bfloat16)}), {torch.get_num_threads()} threads, median of {args.rounds} (ms)")
     print(f"{'level':6} {'rows x tokens':>13} {'half':>8} {'float32':>8} {'ratio':>6}")
     for level in args.levels:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from cpu_kind import cpu_line
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rayrunner.models.sources import SMOLLM2, resolve
@@ -248,7 +249,7 @@ def main() -> None:
     import_torchao_now()
     folder = resolve(SMOLLM2).path
     ids = AutoTokenizer.from_pretrained(folder)(prose(), return_tensors="pt").input_ids
-    print(f"SmolLM2-135M-Instruct, CPU, {torch.get_num_threads()} threads, {ids.shape[1]} tokens"
+    print(f"{cpu_line()}\nSmolLM2-135M-Instruct, CPU, {torch.get_num_threads()} threads, {ids.shape[1]} tokens"
           f"{', de-gridded' if args.degrid else ''}; decode: {args.tokens} greedy tokens per chat, median of "
           f"{args.rounds}")
     rows = [measure(folder, level, ids, args.degrid) for level in ["bf16", *args.isq]]

@@ -17,6 +17,7 @@ import sys
 import time
 
 import httpx
+from cpu_kind import cpu_line
 from ray import serve
 from rayrunner_service import rayrunner_service, smollm2_spec
 
@@ -69,7 +70,7 @@ def main() -> None:
             print(f"{model}: p50 {figures[model][0] * 1e3:.1f} ms, p90 {figures[model][1] * 1e3:.1f} ms",
                   file=sys.stderr)
         shares = spread(http, "two", args.concurrent)
-    print(f"\nSmolLM2 bf16, one-token chats over HTTP, {args.requests} sequential each; one run")
+    print(f"\n{cpu_line()}\nSmolLM2 bf16, one-token chats over HTTP, {args.requests} sequential each; one run")
     print("| replicas | p50 (ms) | p90 (ms) |\n|---|---|---|")
     for model, (p50, p90) in figures.items():
         print(f"| {model} | {p50 * 1e3:.1f} | {p90 * 1e3:.1f} |")

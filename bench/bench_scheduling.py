@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import ray
 from bench_cluster import start_cluster
+from cpu_kind import cpu_line
 from ray import serve
 
 from rayrunner.models.sources import SMOLLM2, resolve
@@ -157,6 +158,7 @@ async def measure(base: str, args: argparse.Namespace, static: StaticBatch, loca
 
 def report(rows: dict[str, list[float]], args: argparse.Namespace) -> None:
     med = {k: statistics.median(v) for k, v in rows.items()}
+    print(f"\n{cpu_line()}")
     print(f"\nSmolLM2 bf16, CPU, {args.threads} torch threads, {args.max_tokens} tokens, median of {args.reps}")
     print(f"{'case':<52}{'value':>10}")
     for key, label in (("one", "1 stream, tok/s"), ("local1", "1 stream on the same engine in process, tok/s"),

