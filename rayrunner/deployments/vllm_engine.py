@@ -9,17 +9,25 @@ llguidance backend, the library rayrunner's own engine constrains with, on the s
 Sleep: on CUDA vLLM's sleep mode (`engine.vllm.sleep_level`); vLLM has none on CPU, so there the engine is shut down
 (its memory freed with its process) and started again on wake, in this replica with its imports kept.
 The replica runs in vLLM's own interpreter (`vllm_runtime`).
+
+Weights: vLLM (0.32) reads no GGUF, so a GGUF source is dequantized once, on the replica's node, into a safetensors
+folder in rayrunner's cache at the spec's dtype (`gguf_folder`), the weights rayrunner's own engine reads from the same
+file; vLLM serves that folder. The builtin SmolLM2 is already such a folder (`models.sources`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
+import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from filelock import FileLock
 from transformers import AutoTokenizer
 from vllm import SamplingParams as VllmSamplingParams
 from vllm import TokensPrompt
@@ -36,7 +44,8 @@ from rayrunner.deployments.step.lora import adapter_folder
 from rayrunner.deployments.structured_output import JsonTarget, json_target
 from rayrunner.errors import InvalidRequestError, ModelLoadError, ModelUnavailableError, RayRunnerError
 from rayrunner.models.footprint import expected_weight_bytes
-from rayrunner.models.load_progress import for_model
+from rayrunner.models.load_progress import LoadProgress, for_model
+from rayrunner.models.sources import cache_dir
 from rayrunner.models.spec import ModelSpec
 from rayrunner.models.which import Lora
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
@@ -60,10 +69,10 @@ class VllmEngine(ChatTokens, Engine):
         progress.phase("resolving")
         source, tok_location = resolve_which(spec, progress)
         self.device = pick_device(spec.engine.device)
-        model = os.path.join(source.path, source.gguf_file) if source.gguf_file else source.path
-        self.tokenizer = AutoTokenizer.from_pretrained(tok_location or source.path,
-                                                       **({} if tok_location else {"gguf_file": source.gguf_file}))
-        self.args = _engine_args(spec, model, tok_location or source.path, self.device)
+        dtype = _DTYPES[spec.which.dtype]
+        model = gguf_folder(Path(source.path, source.gguf_file), dtype, progress) if source.gguf_file else source.path
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_location or model)
+        self.args = _engine_args(spec, model, tok_location or model, self.device)
         progress.phase("warming up")  # vLLM reads the weights, profiles and allocates its KV cache
         self.llm: AsyncLLM | None = self._start()
         self.max_seq_len: int = self.llm.model_config.max_model_len
@@ -196,6 +205,45 @@ class VllmEngine(ChatTokens, Engine):
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+
+
+def gguf_folder(gguf: Path, dtype: str, progress: LoadProgress | None = None) -> str:
+    """The GGUF file `gguf` as a safetensors folder at `dtype`: converted once into rayrunner's cache on this node
+    (keyed by the file's path, size, modification time and the dtype) and reused."""
+    file = gguf.resolve()
+    stat = file.stat()
+    key = hashlib.sha256(f"{file}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}".encode()).hexdigest()[:16]
+    target = cache_dir() / "gguf" / f"{file.stem}.{dtype}.{key}"
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(f"{target}.lock"):
+            if not (target / "config.json").is_file():
+                if progress is not None:
+                    progress.phase("converting", source=file.name)
+                _convert_gguf(file, dtype, target)
+    return str(target)
+
+
+def _convert_gguf(file: Path, dtype: str, target: Path) -> None:
+    """Dequantize `file` with transformers (the reading rayrunner's own engine does) and save it, with its tokenizer,
+    as a plain model folder at `dtype`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tmp = target.with_name(f"{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name,
+                                                     dtype=getattr(torch, dtype))
+        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the GGUF file `{file}` for vLLM: {type(exc).__name__}: {exc}") from None
+    model.hf_quantizer = None  # type: ignore[assignment]  # dequantized: the folder loads as plain weights
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    os.replace(tmp, target)
 
 
 def _engine_args(spec: ModelSpec, model: str, tokenizer: str, device: str) -> AsyncEngineArgs:
