@@ -88,8 +88,9 @@ class EngineSettings(Replicas):
     kv_cache_bytes: int | None = Field(
         None, ge=1, description="Bytes one replica's KV caches may hold (running sequences, prompts being "
         "prefilled, reused prefixes): admission waits for room, the newest sequences are preempted (recomputed "
-        "later) rather than run out. Counted by capacity when set. Default: half the GPU memory free once the "
-        "weights are loaded; 1 GiB on CPU. The vllm backend reserves it at start (unset: `vllm.kv_cache_bytes`)."
+        "later) rather than pass it. Counted by capacity, the default too. Default: 1 GiB on CPU; on a GPU, half of "
+        "what the replica's share of it (`num_gpus`) leaves beside its weights (`models.footprint.gpu_kv_budget`). "
+        "The vllm backend reserves it at start (unset: `vllm.kv_cache_bytes`)."
     )
     prefix_caching: bool = Field(
         True, description="Reuse the KV of a prompt's start already computed (a chat's earlier turns, a shared "

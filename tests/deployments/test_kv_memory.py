@@ -1,6 +1,6 @@
 """The KV memory budget on a tiny float32 Llama: admission within the budget, preemption (recompute) of the newest
 sequences when running ones outgrow it, the measured bytes never past it, every reply exact; a prompt that cannot fit
-is refused."""
+is refused. The default budget: 1 GiB on CPU; on a GPU (tests marked `gpu`), part of the replica's share of it."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from transformers import AutoModelForCausalLM
 
 from rayrunner.deployments.sampling_params import SamplingParams
 from rayrunner.deployments.step.detokenizer import Detokenizer
-from rayrunner.deployments.step.scheduler import SchedulerLimits, StepScheduler
+from rayrunner.deployments.step.scheduler import SchedulerLimits, StepScheduler, scheduler_limits
 from rayrunner.deployments.step.sequence import Sequence
 from rayrunner.errors import InvalidRequestError
+from rayrunner.models.footprint import CPU_KV_BYTES, GPU_KV_FRACTION
+from rayrunner.models.spec import build_spec
 from tests.families.tiny_families import build
 
 
@@ -105,3 +107,27 @@ def test_a_hybrid_model_is_preempted_and_resumed_exactly(family: str, tokenizer:
     roomy, _, _ = _run(model, tokenizer, loop, prompts, 60)
     assert scheduler.memory.preemptions > 0 and peak <= budget
     assert [s.output_ids for s in squeezed] == [s.output_ids for s in roomy]
+
+
+def test_the_default_budget_on_cpu_is_the_one_capacity_counts(model: Any) -> None:
+    assert StepScheduler(model, SchedulerLimits()).memory.limit == CPU_KV_BYTES
+    assert StepScheduler(model, SchedulerLimits(gpu_share=0.5)).memory.limit == CPU_KV_BYTES  # a GPU share, on CPU
+
+
+def test_the_replica_s_gpu_share_reaches_the_scheduler() -> None:
+    engine = build_spec("m", {"type": "plain", "model_id": "x"}, engine={"num_gpus": 0.25}).engine
+    assert scheduler_limits(engine).gpu_share == 0.25
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_replica_on_a_gpu_takes_part_of_its_share_of_the_device(tiny_llama_dir: str) -> None:
+    """At `num_gpus: 0.5`: part of half the device less the tensors the process holds, so two such replicas fit on
+    one GPU together whenever each starts; with no share reserved, part of what is free now."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).to("cuda")
+    free, total = torch.cuda.mem_get_info()
+    held = torch.cuda.memory_allocated()
+    budget = StepScheduler(model, SchedulerLimits(gpu_share=0.5)).memory.limit
+    assert budget == int((total // 2 - held) * GPU_KV_FRACTION) and 2 * (budget + held) <= total
+    unshared = StepScheduler(model, SchedulerLimits()).memory.limit
+    assert abs(unshared - free * GPU_KV_FRACTION) <= 64 << 20  # what is free moves a little as torch allocates

@@ -84,10 +84,10 @@ def test_a_multimodal_config_may_name_it_in_its_text_config() -> None:
 
 
 def test_the_memory_estimate_counts_the_dtype_auto_loads(tmp_path: Path) -> None:
-    from rayrunner.models.footprint import estimate_bytes
+    from rayrunner.models.footprint import expected_weight_bytes
 
-    def estimate(folder: str, dtype: str) -> int:
-        return estimate_bytes(build_spec("tiny", {"type": "plain", "model_id": folder, "dtype": dtype}))
+    def estimate(folder: str, dtype: str) -> int:  # the weights' part (the KV budget is bytes, whatever the dtype)
+        return expected_weight_bytes(build_spec("tiny", {"type": "plain", "model_id": folder, "dtype": dtype}))
 
     f32 = _saved(tmp_path / "f32", torch.float32)
     assert estimate(f32, "auto") == estimate(f32, "f32") == 2 * estimate(f32, "bf16")

@@ -14,12 +14,17 @@ from rayrunner.models.footprint import estimate_bytes
 from rayrunner.models.spec import build_spec
 from tests.conftest import Service, model_entry
 
+KV = 1 << 20  # each tiny model's KV budget: small, so SmolLM2 with its default one is far past the limit
+
 
 @pytest.fixture(scope="module")
 def service(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Service]:
-    one_model = estimate_bytes(build_spec("t", {"type": "plain", "model_id": tiny_llama_dir}))
+    tiny = build_spec("t", {"type": "plain", "model_id": tiny_llama_dir}, engine={"kv_cache_bytes": KV})
+    one_model = estimate_bytes(tiny)
+    assert one_model is not None
     config = {
-        "models": [model_entry("t1", tiny_llama_dir), model_entry("t2", tiny_llama_dir, load=False)],
+        "models": [model_entry("t1", tiny_llama_dir, kv_cache_bytes=KV),
+                   model_entry("t2", tiny_llama_dir, load=False, kv_cache_bytes=KV)],
         "max_loaded_bytes": int(one_model * 1.5),
         "state_path": str(cluster["state_dir"] / "capacity_bytes.json"),
     }

@@ -6,15 +6,18 @@ The scheduler asks before each of its moves whether the budget has room for what
 cache gives way first (least recently used blocks), then the newest sequences are preempted: their caches are
 dropped and they wait at the head of the queue, to be prefilled again from their prompt and output (vLLM's
 recompute preemption; their blocks are often still in the prefix cache). A sequence alone that cannot grow ends with
-finish_reason `length`; a prompt that cannot fit at all is refused (400). Nothing runs out of memory, nothing fails.
+finish_reason `length`; a prompt that cannot fit at all is refused (400). The caches never hold more than the budget;
+whether the device has that much is the budget's rule's business.
 
-The default budget: on a GPU, `GPU_FREE_FRACTION` of the device memory free once the weights are loaded; on CPU,
-`CPU_DEFAULT_BYTES`. `measure` reads what the caches' tensors really hold (their storages), which the metrics report
-and tests compare with the budget.
+The default budget (`rayrunner.models.footprint`, the rule capacity counts too): on CPU, `CPU_KV_BYTES`; on a GPU,
+`gpu_kv_budget` of the share of the device this replica reserved (`engine.num_gpus`), beside the tensors the
+process holds once the weights are loaded, so the replicas sharing a GPU fit on it together. `measure` reads what
+the caches' tensors really hold (their storages), which the metrics report and tests compare with the budget.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -22,16 +25,17 @@ from transformers import DynamicCache
 
 from rayrunner.deployments.step.kv_batch import new_cache
 from rayrunner.deployments.step.prefix_cache import PrefixCache
+from rayrunner.models.footprint import CPU_KV_BYTES, GPU_KV_FRACTION, gpu_kv_budget
 
-CPU_DEFAULT_BYTES = 1 << 30
-GPU_FREE_FRACTION = 0.5
+logger = logging.getLogger(__name__)
 
 
 class KvMemory:
-    """A budget of `limit` bytes (None: the default for `device`), and the prefix cache that lives within it."""
+    """A budget of `limit` bytes (None: the default for `device` and the `gpu_share` this replica reserved), and the
+    prefix cache that lives within it."""
 
-    def __init__(self, limit: int | None, device: torch.device, prefix_caching: bool) -> None:
-        self.limit = limit if limit is not None else default_limit(device)
+    def __init__(self, limit: int | None, device: torch.device, prefix_caching: bool, gpu_share: float = 0.0) -> None:
+        self.limit = limit if limit is not None else default_limit(device, gpu_share)
         self.prefix = PrefixCache() if prefix_caching else None
         self.position_bytes = 0  # one position of one row, over every layer (`probe`)
         self.row_bytes = 0  # one row's recurrent states, whatever its length (hybrid models)
@@ -71,11 +75,22 @@ class KvMemory:
         return self.held
 
 
-def default_limit(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * GPU_FREE_FRACTION)
-    return CPU_DEFAULT_BYTES
+def default_limit(device: torch.device, gpu_share: float) -> int:
+    """The default budget on `device`: `CPU_KV_BYTES` on CPU; on a GPU, `gpu_kv_budget` of this process's share and
+    the tensors it holds there now (the weights)."""
+    if device.type != "cuda":
+        return CPU_KV_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_allocated(device)
+    limit = gpu_kv_budget(total, free, held, gpu_share)
+    if gpu_share <= 0:
+        logger.warning("KV budget %s bytes: %g of the memory free on %s now; this replica reserved no share of the "
+                       "GPU, so a replica that starts there later counts the same memory again (set engine.num_gpus "
+                       "or engine.kv_cache_bytes)", f"{limit:,}", GPU_KV_FRACTION, device)
+    else:
+        logger.info("KV budget %s bytes: of this replica's share of %s (%g of %s bytes, %s held)", f"{limit:,}",
+                    device, min(gpu_share, 1.0), f"{total:,}", f"{held:,}")
+    return limit
 
 
 def _cache_after(model: Any, tokens: int) -> int:

@@ -62,11 +62,12 @@ class SchedulerLimits:
     prefill_chunk_tokens: int = 512
     kv_cache_bytes: int | None = None  # None: `kv_memory`'s default for the device
     prefix_caching: bool = True
+    gpu_share: float = 0.0  # of its GPU this replica reserved (`engine.num_gpus`): the default budget's part of it
 
 
 def scheduler_limits(settings: EngineSettings) -> SchedulerLimits:
     return SchedulerLimits(settings.max_num_seqs, settings.max_queued_requests, settings.prefill_chunk_tokens,
-                           settings.kv_cache_bytes, settings.prefix_caching)
+                           settings.kv_cache_bytes, settings.prefix_caching, settings.num_gpus)
 
 
 class StepScheduler(KvMoves):
@@ -91,7 +92,7 @@ class StepScheduler(KvMoves):
         self.admission = Admission(limits.prefill_chunk_tokens, adapters.max_adapters if adapters else None,
                                    one_per_pass=states)
         reuse = limits.prefix_caching and plain_attention(model.config)  # the prefix cache's blocks are plain layers
-        self.memory = KvMemory(limits.kv_cache_bytes, self.device, reuse)
+        self.memory = KvMemory(limits.kv_cache_bytes, self.device, reuse, limits.gpu_share)
         self._found: dict[int, list[LayerKV]] = {}  # by id(sequence): cached blocks its prompt starts with
         self._cond = threading.Condition()
         self._waiting: collections.deque[Sequence] = collections.deque()
