@@ -149,7 +149,8 @@ async def test_remove_waits_for_no_load_and_leaves_no_app(tmp_path: Path) -> Non
     reg = await registry(tmp_path, apps, [entry("a"), entry("b")])
     name = app(reg, "a")
     load = asyncio.ensure_future(reg.ensure_loaded("a"))
-    await asyncio.sleep(0.05)
+    while await reg.status("a") != "reloading":  # until the load has begun
+        await asyncio.sleep(0.01)
     with pytest.raises(ModelReloadingError):
         await reg.remove("a")
     assert await load == "a"
@@ -228,7 +229,10 @@ async def test_a_config_that_changes_only_the_replica_count_rescales_in_place(tm
     models[0]["spec"]["engine"] = {"num_replicas": 2, "routing": "prefix"}
     await reg.bootstrap({"models": models})
     assert await reg.status("m1") == "loaded"  # never reloading: requests keep flowing
-    await asyncio.sleep(0.1)  # the rescale runs in the background
+    for _ in range(500):  # until the rescale, which runs in the background, has deployed
+        if apps.deploys(app(reg, "m1")) == 2:
+            break
+        await asyncio.sleep(0.01)
     assert apps.deploys(app(reg, "m1")) == 2 and ("delete", app(reg, "m1")) not in apps.calls
     assert reg.state.models["m1"].spec.engine.num_replicas == 2
     models[0]["spec"]["engine"] = {"num_replicas": 2, "max_num_seqs": 8}  # a setting replicas are built with

@@ -41,13 +41,15 @@ async def test_sleep_frees_the_weights_and_a_request_wakes_the_model(server: Mod
 
 async def test_sleep_waits_for_a_stream_in_flight(server: ModelServer) -> None:
     chunks: list[dict[str, object]] = []
+    answering = asyncio.Event()
 
     async def stream() -> None:
         async for batch in server.chat_stream({**ASK, "max_tokens": 40, "stream": True}):
             chunks.extend(batch)
+            answering.set()
 
     streaming = asyncio.ensure_future(stream())
-    await asyncio.sleep(0.3)
+    await asyncio.wait_for(answering.wait(), 120)  # in flight: its first chunks are out
     await server.sleep()
     assert streaming.done() and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")  # type: ignore[index]
     assert server.info()["asleep"]
