@@ -4,6 +4,7 @@ stuck behind a long one, and a client that hangs up frees its slot."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,17 +24,24 @@ def scheduler_stats() -> dict[str, int]:
     return stats
 
 
-def stream_chat(service: Service, content: str, max_tokens: int) -> tuple[float, int]:
-    """Finish time (monotonic) and completion tokens of one streamed chat."""
+def stream_chat(service: Service, content: str, max_tokens: int,
+                started: threading.Event | None = None) -> tuple[float, int]:
+    """Finish time (monotonic) and completion tokens of one streamed chat; `started` is set at its first token."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "stream": True}
     tokens = 0
-    with httpx.Client(base_url=service.url, timeout=600) as http, \
-            http.stream("POST", "/v1/chat/completions", json=body) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            usage = json.loads(line[6:]).get("usage") if line.startswith("data: {") else None
-            tokens = usage["completion_tokens"] if usage else tokens
+    try:
+        with httpx.Client(base_url=service.url, timeout=600) as http, \
+                http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                chunk = json.loads(line[6:]) if line.startswith("data: {") else {}
+                if started is not None and any(c["delta"].get("content") for c in chunk.get("choices", [])):
+                    started.set()
+                tokens = chunk["usage"]["completion_tokens"] if chunk.get("usage") else tokens
+    finally:
+        if started is not None:
+            started.set()
     return time.monotonic(), tokens
 
 
@@ -48,9 +56,10 @@ def test_sixteen_streams_run_as_one_batch(service: Service) -> None:
 
 
 def test_a_short_request_is_not_stuck_behind_a_long_one(service: Service) -> None:
+    started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        long = pool.submit(stream_chat, service, "Write a long story about a dragon.", 300)
-        time.sleep(2.0)
+        long = pool.submit(stream_chat, service, "Write a long story about a dragon.", 300, started)
+        assert started.wait(120)  # the long one is decoding: its first token is out
         short_done, _ = stream_chat(service, "What is the capital of France?", 8)
         long_done, long_tokens = long.result()
     assert long_tokens > 100 and short_done < long_done
