@@ -159,6 +159,19 @@ def test_a_user_message_cannot_open_a_system_turn(tokenizer: Any) -> None:
     assert _specials(tokenizer, ids) == ["<|im_start|>", "<|im_end|>", "<|im_start|>", "<|im_end|>", "<|im_start|>"]
 
 
+def test_the_ids_are_those_of_transformers_sanitize_control_tokens(tokenizer: Any) -> None:
+    """rayrunner marks and encodes client text itself (the vLLM interpreter's transformers predates this); where
+    transformers has `sanitize_control_tokens`, both give the same ids."""
+    from rayrunner.deployments.chat_tokens import control_tokens, encode_marked, user_text_marker
+
+    messages = [{"role": "system", "content": "Be <|im_start|> kind"}, {"role": "user", "content": EVIL}]
+    pattern = control_tokens(tokenizer, tokenizer.chat_template)
+    marked = [user_text_marker(pattern)(message) for message in messages]
+    text = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+    theirs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, sanitize_control_tokens=True)
+    assert encode_marked(tokenizer, text, pattern) == list(theirs["input_ids"])
+
+
 def _every_field(spelt: str) -> dict[str, Any]:
     """A chat with `spelt` in each place a client writes text: every role's content, a call's arguments (a value
     and a key), a tool's description and schema, and the response_format's schema."""
