@@ -134,7 +134,7 @@ class CapacityMixin:
             return min(overdue)[1]
         return min(self._room_requests, key=lambda mid: (-self._queued.get(mid, 0), self._room_requests[mid]))
 
-    async def _take_room(self, record: ModelRecord, limits: Limits, new_bytes: int) -> bool:
+    async def _take_room(self, record: ModelRecord, limits: Limits, new_bytes: int | None) -> bool:
         """Under the room lock: evict what the plan names, and take the room (move to `loading`) if it is there
         now. The plan and the move have no `await` between them, so no other load counts the same room."""
         plan = plan_room(limits, await self._occupants(record.spec.model_id), new_bytes)
