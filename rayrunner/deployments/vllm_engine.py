@@ -38,14 +38,14 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from rayrunner.deployments.chat_tokens import ChatTokens
 from rayrunner.deployments.engine import Engine, EngineInfo, GenerationEvent, TokenLogprob, bounded_max_tokens
-from rayrunner.deployments.loading import pick_device, resolve_which
+from rayrunner.deployments.loading import load_config, pick_device, pick_dtype, resolve_which
 from rayrunner.deployments.sampling_params import SamplingParams
 from rayrunner.deployments.step.lora import adapter_folder
 from rayrunner.deployments.structured_output import JsonTarget, json_target
 from rayrunner.errors import InvalidRequestError, ModelLoadError, ModelUnavailableError, RayRunnerError
 from rayrunner.models.footprint import expected_weight_bytes
 from rayrunner.models.load_progress import LoadProgress, for_model
-from rayrunner.models.sources import cache_dir
+from rayrunner.models.sources import ResolvedSource, cache_dir
 from rayrunner.models.spec import ModelSpec
 from rayrunner.models.which import Lora
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
     from rayrunner.deployments.parked_weights import ParkedWeights
 
-_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "auto": "bfloat16"}
+_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 _MAX_LORA_RANK = 64
 
 
@@ -69,10 +69,10 @@ class VllmEngine(ChatTokens, Engine):
         progress.phase("resolving")
         source, tok_location = resolve_which(spec, progress)
         self.device = pick_device(spec.engine.device)
-        dtype = _DTYPES[spec.which.dtype]
+        dtype = _dtype(spec, source, self.device)
         model = gguf_folder(Path(source.path, source.gguf_file), dtype, progress) if source.gguf_file else source.path
         self.tokenizer = AutoTokenizer.from_pretrained(tok_location or model)
-        self.args = _engine_args(spec, model, tok_location or model, self.device)
+        self.args = _engine_args(spec, model, tok_location or model, self.device, dtype)
         progress.phase("warming up")  # vLLM reads the weights, profiles and allocates its KV cache
         self.llm: AsyncLLM | None = self._start()
         self.max_seq_len: int = self.llm.model_config.max_model_len
@@ -246,11 +246,19 @@ def _convert_gguf(file: Path, dtype: str, target: Path) -> None:
     os.replace(tmp, target)
 
 
-def _engine_args(spec: ModelSpec, model: str, tokenizer: str, device: str) -> AsyncEngineArgs:
+def _dtype(spec: ModelSpec, source: ResolvedSource, device: str) -> str:
+    """vLLM's name of the dtype to load in: the one asked for, or for `auto` what rayrunner's own engine picks
+    (the config's where the device runs it well, `loading.pick_dtype`)."""
+    if spec.which.dtype != "auto":
+        return _DTYPES[spec.which.dtype]
+    return str(pick_dtype("auto", load_config(source), device)).removeprefix("torch.")
+
+
+def _engine_args(spec: ModelSpec, model: str, tokenizer: str, device: str, dtype: str) -> AsyncEngineArgs:
     """vLLM's engine arguments from the spec: `engine.vllm.engine_args` last, so a user's choice wins."""
     settings, options = spec.engine, spec.engine.vllm
     args: dict[str, Any] = {
-        "model": model, "tokenizer": tokenizer, "dtype": _DTYPES[spec.which.dtype],
+        "model": model, "tokenizer": tokenizer, "dtype": dtype,
         "max_num_seqs": settings.max_num_seqs,
         "kv_cache_memory_bytes": settings.kv_cache_bytes or options.kv_cache_bytes,
         "enforce_eager": not options.compile, "structured_outputs_config": {"backend": "guidance"},

@@ -1,0 +1,35 @@
+"""The vllm backend loads `dtype: auto` as rayrunner's own engine does (the config's dtype where the device runs it
+well), checked in vLLM's own interpreter (`.venv-vllm`, where vLLM imports)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_vllm_backend import VENV, vllm_venv_ready
+from tests.tiny_models import build_tiny_llama
+
+CHECK = """
+import sys
+from rayrunner.deployments.loading import resolve_which
+from rayrunner.deployments.vllm_engine import _dtype
+from rayrunner.models.spec import build_spec
+for dtype in ("auto", "bf16"):
+    spec = build_spec("t", {"type": "plain", "model_id": sys.argv[1], "dtype": dtype})
+    print(_dtype(spec, resolve_which(spec)[0], "cpu"))
+"""
+
+
+@pytest.mark.parametrize(("declared", "auto"), [("float32", "float32"), ("bfloat16", "bfloat16"),
+                                                ("float16", "bfloat16")])
+def test_auto_is_the_configs_dtype_and_an_asked_one_wins(tmp_path: Path, declared: str, auto: str) -> None:
+    vllm_venv_ready()
+    folder = Path(build_tiny_llama(tmp_path))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "dtype": declared}))
+    found = subprocess.run([str(VENV / "bin" / "python"), "-c", CHECK, str(folder)], capture_output=True, text=True,
+                           check=True, cwd=Path(__file__).parents[1]).stdout.split()
+    assert found == [auto, "bfloat16"]
