@@ -1,7 +1,8 @@
 """Single-stream decode speed of rayrunner's in-process engine against mistral.rs, per ISQ level, on SmolLM2.
 
 Run: `python bench/bench_vs_mistralrs.py --mistralrs-python /tmp/mrs/bin/python` after
-`python3 -m venv /tmp/mrs && /tmp/mrs/bin/pip install mistralrs` (a side venv: never install it into rayrunner's).
+`python3 -m venv /tmp/mrs && /tmp/mrs/bin/pip install mistralrs==0.9.5` (a side venv: never install it into
+rayrunner's).
 Without a python that imports mistralrs, only rayrunner's side runs, with a message saying so.
 
 Both sides load the same weights, rayrunner's builtin bf16 SmolLM2 (`smollm2-135m-instruct`), and quantize them in
@@ -29,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from cpu_kind import cpu_line
 
 PROMPT = "Tell me about the history of Paris."
 FILES = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
@@ -192,7 +195,8 @@ def main() -> None:
     why_not = mistralrs_usable(args.mistralrs_python)
     if why_not is not None:
         print(f"mistral.rs side skipped: {why_not}. Install it in a side venv: python3 -m venv /tmp/mrs && "
-              "/tmp/mrs/bin/pip install mistralrs; then pass --mistralrs-python /tmp/mrs/bin/python", file=sys.stderr)
+              "/tmp/mrs/bin/pip install mistralrs==0.9.5; then pass --mistralrs-python /tmp/mrs/bin/python",
+              file=sys.stderr)
     with tempfile.TemporaryDirectory() as scratch:
         sides: dict[str, Any] = {"rayrunner": Rayrunner()}
         if why_not is None:
@@ -209,6 +213,7 @@ def main() -> None:
         finally:
             for side in sides.values():
                 side.close()
+    print(cpu_line())
     print(f"SmolLM2-135M-Instruct, CPU, single stream, {args.tokens} greedy tokens, median of {args.rounds}")
     print_table(args.levels, results)
 
