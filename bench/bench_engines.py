@@ -1,15 +1,19 @@
 """rayrunner's two engine backends against bare vLLM, on the same SmolLM2 folder, driven by one external harness
-(aiperf) over HTTP in one run; then switching between two vLLM models by sleep and wake against cold starts.
+(aiperf) over HTTP, alternating the sides over rounds in one run; then switching between two vLLM models by sleep and
+wake against cold starts.
 
-Run:  .venv/bin/python bench/bench_engines.py [--concurrency 1 16] [--requests N] [--switches 3] [--compile]
+Run:  .venv/bin/python bench/bench_engines.py [--rounds 3] [--concurrency 1 16] [--requests N] [--threads N]
+                                             [--switches 3] [--compile]
 Needs `.venv-vllm` (`bash scripts/install_vllm.sh`, run here when missing) and aiperf's side venv (made on first use).
 
-One side serves at a time (the box has 2 cores): rayrunner with SmolLM2 on the transformers backend, then rayrunner
-with SmolLM2 on the vllm backend (vLLM's async engine in the model's replica), then vLLM's own OpenAI server from the
-same venv. Both vLLM sides run the same settings: bf16, `max_model_len` 2048, a 2 GiB KV cache, and eager (rayrunner's
-default; `--compile` turns torch.compile on for both: on this 2-core box a compiled vLLM stalled for seconds at new
-batch shapes and served 32 tok/s at 16 streams). Measurements as in bench_vs_vllm.py: `--requests`
-streamed greedy chats at each concurrency after a warm-up, fixed prompt and output lengths (`ignore_eos`).
+Three sides, all up for the whole run, measured in turn each round (A B C A B C ...; the others wait idle): bare
+vLLM's OpenAI server from that venv, and one rayrunner service holding SmolLM2 twice, on the vllm backend (vLLM's
+async engine in the model's replica) and on the transformers backend. Both vLLM sides run the same settings: bf16,
+`max_model_len` 2048, a 2 GiB KV cache, and eager (rayrunner's default; `--compile` turns torch.compile on for both:
+on this 2-core box a compiled vLLM stalled for seconds at new batch shapes and served 32 tok/s at 16 streams). Every
+side gets `--threads` compute threads: vLLM's OpenMP threads bound to the first CPUs (`VLLM_CPU_OMP_THREADS_BIND`,
+the rest `VLLM_CPU_NUM_OF_RESERVED_CPU`; the vllm-backend replica inherits both from the cluster's environment),
+the transformers backend's `engine.torch_threads`. Measurements, medians and ratios as in bench_vs_vllm.py.
 
 Switching: two vLLM-backend models (eager) in one rayrunner; each switch puts the awake one to sleep and sends the
 other a request (`unload` with mode `sleep`, then the request that wakes it: on CPU vLLM's engine starts again inside
@@ -22,30 +26,37 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 from aiperf_harness import Figures, aiperf_command
-from bench_vs_vllm import SERVED, measure, print_table, vllm_folder, vllm_server
+from bench_vs_vllm import (
+    SERVED,
+    Side,
+    add_arguments,
+    alternate,
+    header,
+    medians,
+    print_rounds,
+    print_table,
+    rayrunner_spec,
+    vllm_folder,
+    vllm_python,
+    vllm_server,
+    vllm_thread_env,
+)
+from cpu_kind import cpu_line
 from rayrunner_service import rayrunner_service, smollm2_spec
 from side_venv import BENCH_DIR
 
-from rayrunner.deployments.vllm_runtime import CHECKOUT_VENV
 from rayrunner.models.sources import SMOLLM2, resolve
 
-ROOT = Path(__file__).resolve().parents[1]
 KV_BYTES = 2 << 30  # bare vLLM gets the same through VLLM_CPU_KVCACHE_SPACE=2
-
-
-def vllm_python() -> Path:
-    """The checkout's vLLM venv (installed now if it is not ready): rayrunner's vLLM replicas and bare vLLM alike."""
-    subprocess.run(["bash", str(ROOT / "scripts" / "install_vllm.sh")], check=True)  # returns at once when done
-    return CHECKOUT_VENV / "bin" / "python"
 
 
 def vllm_spec(model_id: str, compile_: bool) -> dict[str, Any]:
@@ -54,20 +65,21 @@ def vllm_spec(model_id: str, compile_: bool) -> dict[str, Any]:
     return spec
 
 
-def serving(args: argparse.Namespace, folder: Path, out_dir: Path) -> dict[str, dict[int, Figures]]:
-    """Each side in turn: rayrunner+transformers, rayrunner+vLLM, bare vLLM."""
+def serving(args: argparse.Namespace, folder: Path, out_dir: Path) -> dict[str, list[dict[int, Figures]]]:
+    """Bare vLLM, rayrunner+vLLM and rayrunner+transformers, all up, measured in turn over the rounds."""
     aiperf_command()
     python = vllm_python()
-    sides: dict[str, dict[int, Figures]] = {}
-    with vllm_server(python, folder, out_dir / "vllm.log", () if args.compile else ("--enforce-eager",)) as base:
-        sides["vLLM"] = measure(base, SERVED, folder, args, out_dir / "vllm")
-    for name, spec in (("rayrunner+vLLM", vllm_spec(SERVED, compile_=args.compile)),
-                       ("rayrunner+transformers", smollm2_spec(SERVED))):
+    os.environ.update(vllm_thread_env(args.threads))  # the cluster starts with it: its vLLM replica's threads
+    with ExitStack() as stack:
+        bare = stack.enter_context(vllm_server(python, folder, out_dir / "vllm.log", args.threads,
+                                               () if args.compile else ("--enforce-eager",)))
         start = time.monotonic()
-        with rayrunner_service([spec]) as base:
-            print(f"{name} ready in {time.monotonic() - start:.0f} s", file=sys.stderr)
-            sides[name] = measure(base, SERVED, folder, args, out_dir / name)
-    return sides
+        ours = stack.enter_context(rayrunner_service([vllm_spec("rr-vllm", compile_=args.compile),
+                                                      rayrunner_spec("rr-transformers", args.threads)]))
+        print(f"rayrunner ready in {time.monotonic() - start:.0f} s", file=sys.stderr)
+        sides = [Side("vLLM bf16", bare, SERVED), Side("rayrunner+vLLM bf16", ours, "rr-vllm"),
+                 Side("rayrunner+transformers bf16", ours, "rr-transformers")]
+        return alternate(sides, folder, args, out_dir)
 
 
 def switching(switches: int) -> dict[str, float]:
@@ -95,24 +107,21 @@ def switching(switches: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--requests", type=int,
-                        help="requests per measurement, at least one per stream (default: 4 per stream, at least 16)")
-    parser.add_argument("--prompt-tokens", type=int, default=94)
-    parser.add_argument("--output-tokens", type=int, default=64)
+    add_arguments(parser)
     parser.add_argument("--compile", action="store_true", help="torch.compile on both vLLM sides")
     parser.add_argument("--switches", type=int, default=3, help="switches measured each way (0: none)")
     args = parser.parse_args()
+    vllm_thread_env(args.threads)  # a bad --threads fails before anything starts
     out_dir = BENCH_DIR / "runs" / time.strftime("engines-%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True)
-    print(f"load average at start: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs); files in {out_dir}")
+    print(f"{cpu_line()}; files in {out_dir}")
     with tempfile.TemporaryDirectory(prefix="rayrunner-engines-") as scratch:
-        sides = serving(args, vllm_folder(Path(resolve(SMOLLM2).path), Path(scratch)), out_dir)
+        rounds = serving(args, vllm_folder(Path(resolve(SMOLLM2).path), Path(scratch)), out_dir)
     switch = switching(args.switches) if args.switches else {}
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
-    print(f"\nSmolLM2-135M-Instruct bf16, CPU, streamed chat via aiperf, {args.prompt_tokens}-token prompts, "
-          f"{args.output_tokens} output tokens asked (ignore_eos), greedy; one run\n")
-    print_table(sides, args.concurrency)
+    print("\n" + header(args, "bf16, CPU"))
+    print_table(medians(rounds, args.concurrency), args.concurrency)
+    print_rounds(rounds, args.concurrency)
     if switch:
         print(f"\nSwitching between two vLLM models: sleep {switch['sleep']:.1f} s, stop {switch['stop']:.1f} s "
               f"(sleep / stop {switch['sleep'] / switch['stop']:.2f}x)")
