@@ -131,7 +131,7 @@ def load_model(spec: ModelSpec, auto_class: Any, with_processor: bool = False) -
     check_arch(getattr(spec.which, "arch", None), config.model_type, spec.which.kind == "multimodal")
     device = pick_device(spec.engine.device)
     dtype = pick_dtype(spec.which.dtype, config, device)
-    model, quantization = _model(spec, auto_class, source, device, dtype, progress)
+    model, quantization = _model(spec, auto_class, source, config, device, dtype, progress)
     if with_processor:
         check_positions(model)
     if device == "cpu":
@@ -153,7 +153,7 @@ def check_positions(model: Any) -> None:
         raise mrope_refusal(f"model_type `{model.config.model_type}`", "which")
 
 
-def _model(spec: ModelSpec, auto_class: Any, source: ResolvedSource, device: str, dtype: torch.dtype,
+def _model(spec: ModelSpec, auto_class: Any, source: ResolvedSource, config: Any, device: str, dtype: torch.dtype,
            progress: LoadProgress) -> tuple[Any, dict[str, Any] | None]:
     """The model and its quantization report: from the quantized model cache when it holds this load, else read
     from the source and quantized in situ as the spec asks (then cached)."""
@@ -161,7 +161,7 @@ def _model(spec: ModelSpec, auto_class: Any, source: ResolvedSource, device: str
     cache = _quantized_cache(spec.model_id, source, device, dtype, auto_class, isq)
     hit = cache is not None and cache.path.is_file()
     progress.phase("reading", device=device, **({"quantized_cache": spec.in_situ_quant} if hit else {}))
-    cached = cache.load() if cache is not None and hit else None
+    cached = cache.load(auto_class, config, dtype) if cache is not None and hit else None
     if cached is not None:
         return cached
     with _as_load_error(spec):
