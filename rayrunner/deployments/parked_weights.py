@@ -5,8 +5,13 @@ instead when it has room for them (`HOST_SHARE` of what is available): the accel
 same, and a wake is one copy back, with no file written or read.
 
 Waking this way skips all that rebuilding the engine repeats (config, tokenizer, `from_pretrained`, quantizing
-again), and answers token for token as before. The file is mapped back, not read: its pages (still in the page
-cache after a short sleep) become the weights, copy-on-write, faulted in by the first forward pass. SmolLM2 bf16
+again), and answers token for token as before. The file holds data only (`weights.save_tensors`: a safetensors
+file, each storage once, so tied weights and views of one tensor come back sharing it; torchao's quantized tensors
+flattened into plain ones, rebuilt only from the classes torchao registers as safe), never a pickle: the folder is
+shared by every replica on the host, and a file planted there can at worst change weights, not run code (a file
+that cannot be read so is a `ModelLoadError`, and the engine is loaded again). The file is mapped back, not read:
+its pages (still in the page cache after a short sleep) become the weights, copy-on-write, faulted in by the first
+forward pass. SmolLM2 bf16
 on CPU: restore 10 ms and a first forward ~8 ms slower than usual, against 146-185 ms to read the file into new
 memory (Q8_0 75-88 ms) and 0.5-0.8 s for a rebuild. Clean file pages are memory the kernel may reclaim under
 pressure and read again from the file on use; the next sleep drops them like any other weights.
@@ -33,8 +38,9 @@ import psutil
 import torch
 from torch import nn
 
+from rayrunner.errors import ModelLoadError
 from rayrunner.models.sources import cache_dir
-from rayrunner.quantization.weights import weight_bytes
+from rayrunner.quantization.weights import load_tensors, save_tensors, weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +54,7 @@ class ParkedWeights:
     def __init__(self, name: str, folder: Path | None = None) -> None:
         self.name = name
         self.folder = folder or cache_dir() / "parked"
-        self.path = self.folder / f"{_host_prefix()}{os.getpid()}-{name}.pt"
+        self.path = self.folder / f"{_host_prefix()}{os.getpid()}-{name}.safetensors"
         self._written: tuple[Any, ...] | None = None  # what the file holds (see `_signature`)
         self._places: list[Place] | None = None  # where each parked tensor goes back, while parked
         self._in_host: tuple[list[torch.Tensor], list[torch.device]] | None = None  # copies and their devices
@@ -82,9 +88,7 @@ class ParkedWeights:
         if self._places is None:
             return
         with torch.inference_mode(False):  # normal tensors, though the step loop calls this in inference mode
-            # the file is our own, written by `park`
-            tensors = (_moved(*self._in_host) if self._in_host is not None
-                       else torch.load(self.path, weights_only=False, mmap=True))
+            tensors = _moved(*self._in_host) if self._in_host is not None else self._read()
         for (module, kind, name), tensor in zip(self._places, tensors, strict=True):
             getattr(module, kind)[name] = tensor
         self._places, self._in_host = None, None
@@ -95,12 +99,22 @@ class ParkedWeights:
             self.path.unlink()
         self._written = None
 
+    def _read(self) -> list[torch.Tensor | None]:
+        try:
+            tensors, _ = load_tensors(self.path)
+        except Exception as exc:
+            raise ModelLoadError(f"the parked weights in {self.path} cannot be read: {type(exc).__name__}: {exc}"
+                                 ) from exc
+        if len(tensors) != len(self._places or ()):
+            raise ModelLoadError(f"the parked weights in {self.path} are not this model's")
+        return tensors
+
     def _write(self, tensors: list[torch.Tensor]) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         _remove_orphans(self.folder)
         partial = self.path.with_suffix(".partial")
         try:
-            torch.save(tensors, partial)
+            save_tensors(partial, tensors, {})
             partial.replace(self.path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -110,7 +124,7 @@ class ParkedWeights:
 
 def _slots(model: nn.Module) -> list[tuple[str, nn.Module, str, str, torch.Tensor]]:
     """Every parameter and buffer of every module, by module: a tensor two modules share (tied embeddings) comes
-    twice, and `torch.save` writes it once and loads it back as one tensor."""
+    twice, and `save_tensors` writes it once and loads it back as one tensor."""
     return [(qualname, module, kind, name, tensor)
             for qualname, module in model.named_modules()
             for kind in ("_parameters", "_buffers")

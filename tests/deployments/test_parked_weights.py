@@ -1,5 +1,6 @@
 """Parked weights (pure torch, no Ray): every tensor comes back where it was, shared ones shared again, the file is
-written once while the tensors stay the same, and files of exited processes are cleaned up."""
+written once while the tensors stay the same, holds data only (a planted pickle is never run), and files of exited
+processes are cleaned up."""
 
 from __future__ import annotations
 
@@ -7,13 +8,18 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from rayrunner.deployments.parked_weights import ParkedWeights
+from rayrunner.errors import ModelLoadError
+from rayrunner.quantization import quantize_model
 from rayrunner.quantization.int8_rows import Int8Linear
+from rayrunner.quantization.weights import _plain_tensors
 
 
 class Tied(nn.Module):
@@ -118,3 +124,53 @@ def test_parked_files_of_exited_processes_are_removed(tmp_path: Path) -> None:
     orphan.write_bytes(b"left by a cluster that was stopped")
     ParkedWeights("next-replica", tmp_path)  # a replica starting on the host sweeps too
     assert not orphan.exists() and mine.path.exists()
+
+
+class WritesMarker:
+    """A pickle payload that creates a file when unpickled: what a planted parked file would carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+def test_a_planted_pickle_is_never_run(tmp_path: Path) -> None:
+    model, weights = Tied(), ParkedWeights("planted", tmp_path)
+    weights.park(model)
+    marker = tmp_path / "the-pickle-ran"
+    torch.save([WritesMarker(marker)], weights.path)  # as the pickled format wrote its files
+    with pytest.raises(ModelLoadError, match="cannot be read"):
+        weights.restore()
+    assert not marker.exists()
+
+
+def _plain_state(model: nn.Module) -> dict[str, list[torch.Tensor]]:
+    return {f"{path}.{name}": list(_plain_tensors(tensor))
+            for path, module in model.named_modules(remove_duplicate=False)
+            for name, tensor in [*module._parameters.items(), *module._buffers.items()] if tensor is not None}
+
+
+@pytest.mark.parametrize("isq", [None, "Q8_0", "Q4K"])  # bf16 as loaded, int8 rows, torchao int4 tensors
+def test_a_model_comes_back_with_the_same_weights_and_greedy_answer(tiny_llama_dir: str, tmp_path: Path,
+                                                                    isq: str | None) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
+    if isq is not None:
+        quantize_model(model, isq, "cpu")
+    prompt = torch.tensor([[1, 450, 7483, 310, 3444, 338]])
+    with torch.inference_mode():
+        expected = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    before = {name: [tensor.clone() for tensor in tensors] for name, tensors in _plain_state(model).items()}
+    weights = ParkedWeights("tiny", tmp_path)
+    weights.park(model, host_memory=False)
+    assert weights.path.exists()
+    weights.restore()
+    after = _plain_state(model)
+    assert after.keys() == before.keys()
+    for name, tensors in before.items():
+        assert [t.dtype for t in after[name]] == [t.dtype for t in tensors], name
+        assert all(torch.equal(a, b) for a, b in zip(after[name], tensors, strict=True)), name
+    with torch.inference_mode():
+        assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False), expected)
+    weights.discard()

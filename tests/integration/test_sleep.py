@@ -60,7 +60,7 @@ def test_reload_wakes_and_stop_ends_a_sleeping_model(service: Service) -> None:
     assert service.http.post("/v1/models/reload", json={"model_id": "napper"}).status_code == 200
     assert awake_pid(service, service.card("napper")) == pid  # the same process, woken
     assert unload(service, "sleep").status_code == 200
-    parked = cache_dir() / "parked" / f"{socket.gethostname()}-{pid}-napper.pt"
+    parked = cache_dir() / "parked" / f"{socket.gethostname()}-{pid}-napper.safetensors"
     assert parked.is_file()  # the weights wait on disk (rayrunner.deployments.parked_weights)
     stopped = unload(service, "stop")  # a sleeping model may still be stopped: its replica goes
     assert stopped.status_code == 200 and stopped.json() == {"model_id": "napper", "status": "unloaded"}
