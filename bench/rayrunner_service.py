@@ -64,8 +64,11 @@ def add_model(http: httpx.Client, spec: dict[str, Any]) -> None:
 
 
 def wait_loaded(http: httpx.Client, model_id: str) -> None:
+    """Poll the model's status until it is `loaded`; a `failed` load raises with the registry's `last_error`."""
     deadline = time.monotonic() + LOAD_TIMEOUT_S
-    while http.post("/v1/models/status", json={"model_id": model_id}).json().get("status") != "loaded":
+    while (status := http.post("/v1/models/status", json={"model_id": model_id}).json()).get("status") != "loaded":
+        if status.get("status") == "failed":
+            raise RuntimeError(f"{model_id} failed to load: {status.get('last_error') or status}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"{model_id} did not load within {LOAD_TIMEOUT_S:.0f} s")
         time.sleep(0.5)
