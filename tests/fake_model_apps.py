@@ -30,6 +30,7 @@ class FakeModelApps:
     failing: set[str] = field(default_factory=set)
     apps: dict[str, FakeApp] = field(default_factory=dict)
     calls: list[tuple[str, str]] = field(default_factory=list)
+    replica_slots: int | None = None  # replicas (awake or asleep) the node holds at once; None: any number
 
     def deploys(self, app: str) -> int:
         return sum(1 for call in self.calls if call == ("deploy", app))
@@ -56,11 +57,14 @@ class FakeModelApps:
 
     async def deploy(self, spec: ModelSpec, version: str | None = None) -> None:
         self.calls.append(("deploy", spec.app_name))
-        self.apps[spec.app_name] = app = FakeApp(spec)
+        full = not await self.fits_now(spec)  # Serve would leave the replica pending: here it fails at once
+        self.apps[spec.app_name] = app = FakeApp(spec, failed="no node has room for the replica" if full else "")
         asyncio.get_running_loop().create_task(self._start(app))
 
     async def _start(self, app: FakeApp) -> None:
         await asyncio.sleep(self.start_s)
+        if app.failed:
+            return
         if app.spec.model_id in self.failing:
             app.failed = f"{app.spec.model_id} failed to start"
         else:
@@ -116,3 +120,6 @@ class FakeModelApps:
 
     async def after_load(self, app: str, deployed_at: float | None, spares: int) -> None:
         self.calls.append(("after_load", app))
+
+    async def fits_now(self, spec: ModelSpec) -> bool:
+        return self.replica_slots is None or sum(app.running for app in self.apps.values()) < self.replica_slots

@@ -239,3 +239,17 @@ async def test_a_popular_model_stays_when_a_rarely_used_one_was_used_since(tmp_p
     await registry.ensure_loaded("c")
     assert {mid: r.status for mid, r in registry.state.models.items()} == {
         "a": "loaded", "b": "unloaded", "c": "loaded"}
+
+
+async def test_a_sleeping_replica_is_stopped_when_a_new_one_needs_what_it_holds(tmp_path: Path) -> None:
+    """Room for one loaded model on a node that holds two replicas: `a` and `b` evicted to sleep still hold theirs,
+    so loading `c` stops the least recently used sleeper (`a`), and `c` starts."""
+    apps = FakeModelApps(replica_slots=2)
+    registry = Registry(str(tmp_path / "registry.json"), apps=apps)
+    await registry.bootstrap({"models": [entry(m) for m in "abc"], "max_loaded_models": 1, "evict_mode": "sleep"})
+    for model_id in "abc":
+        await registry.ensure_loaded(model_id)
+        await registry.report_usage("router", {}, {model_id: (time.time(), None)})
+    phases = {mid: r.phase for mid, r in registry.state.models.items()}
+    assert phases == {"a": Phase.STOPPED, "b": Phase.ASLEEP, "c": Phase.LOADED}
+    assert registry.state.models["a"].unloaded_reason == "evicted: resources"

@@ -427,6 +427,7 @@ class Registry(CapacityMixin):
         if mode == "adopt":
             await self.apps.wait_loaded(app, self.config.load_timeout_s)
             return await self.apps.info(app), None
+        await self._stop_sleepers_for(record)
         deployed_at = time.time()
         record.deployed_version = uuid.uuid4().hex
         await self._bring_up(record.spec, record.deployed_version)

@@ -21,6 +21,7 @@ USE_HALF_LIFE_S = 120.0  # a request's weight in a model's recent uses halves ev
 EVICTED_MODELS = "evicted: max_loaded_models"
 EVICTED_BYTES = "evicted: max_loaded_bytes"
 EVICTED_ASLEEP = "evicted: max_asleep_models"
+EVICTED_RESOURCES = "evicted: resources"  # a sleeping replica stopped for the CPUs/GPUs a new one needs
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from rayrunner.models.footprint import estimate_bytes, replica_measures
 from rayrunner.models.keep_alive import KeepAlive, idle_deadline
 from rayrunner.registry.capacity import (
     EVICTED_ASLEEP,
+    EVICTED_RESOURCES,
     IDLE,
     InFlightBook,
     Limits,
@@ -40,6 +41,7 @@ from rayrunner.registry.state import ModelRecord, RegistryState, UnloadMode
 logger = logging.getLogger(__name__)
 _ROOM_POLL_S = 0.5  # longest a load waiting for room goes without re-checking (a change wakes it sooner)
 _IDLE_POLL_S = 0.5  # how often the keep_alive timer looks for models whose time is up
+_RESOURCES_SETTLE_S = 3.0  # how long freed resources may take to show as free before another sleeper is stopped
 CLAIM_S = 2.0  # a model loaded for a request stays protected this long, unless a usage report counts it first
 
 
@@ -182,6 +184,26 @@ class CapacityMixin:
             await self._unload(self.state.models[model_id], reason, mode)
         if mode == "sleep":
             await self._keep_asleep_within_limit()
+
+    async def _stop_sleepers_for(self, record: ModelRecord) -> None:
+        """Before a new replica starts: stop the least recently used sleeping models while their replicas hold the
+        resources (CPUs, GPUs) it needs; without any asleep, Serve queues the replica and the load's time bounds it."""
+        while not await self.apps.fits_now(record.spec):
+            asleep = [r for r in self.state.models.values() if r.phase == Phase.ASLEEP and r is not record]
+            if not asleep:
+                return
+            oldest = min(asleep, key=lambda r: r.last_used_at or 0.0)
+            async with self._lock(oldest.spec.model_id):
+                if oldest.phase == Phase.ASLEEP and self.state.models.get(oldest.spec.model_id) is oldest:
+                    logger.info("stopping `%s` (asleep: its replica holds what `%s` needs)", oldest.spec.model_id,
+                                record.spec.model_id)
+                    await self._unload(oldest, EVICTED_RESOURCES, "stop")
+            await self._until_fits(record, _RESOURCES_SETTLE_S)  # the cluster's count of free resources lags
+
+    async def _until_fits(self, record: ModelRecord, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not await self.apps.fits_now(record.spec) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
 
     async def _keep_asleep_within_limit(self) -> None:
         """Stop the least recently used sleeping models past `max_asleep_models` (their replicas exit)."""

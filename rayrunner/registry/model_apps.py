@@ -27,7 +27,7 @@ from ray import serve
 from rayrunner.deployments.model_server import DEPLOYMENT, model_deployment
 from rayrunner.errors import ModelLoadError, ModelTimeoutError
 from rayrunner.models.spec import ModelSpec
-from rayrunner.registry.placement import check_placeable
+from rayrunner.registry.placement import check_placeable, missing, replica_demand
 from rayrunner.runtime import ray_private
 from rayrunner.runtime.warm_workers import SPARE_DELAY_S, WarmSpares
 
@@ -109,6 +109,7 @@ class ModelApps(Protocol):
     async def asleep(self, app: str) -> bool: ...
     async def replica_asleep(self, app: str) -> bool: ...
     async def after_load(self, app: str, deployed_at: float | None, spares: int) -> None: ...
+    async def fits_now(self, spec: ModelSpec) -> bool: ...
 
 
 class ServeModelApps:
@@ -234,6 +235,13 @@ class ServeModelApps:
         except Exception:
             logger.warning("`%s`: its replica cannot say whether it sleeps; counted awake", app, exc_info=True)
             return False
+
+    async def fits_now(self, spec: ModelSpec) -> bool:
+        """Whether the cluster's free resources now hold one more replica of `spec` (what sleeping replicas still
+        reserve counts as taken). Counted over the whole cluster: on several nodes a fit may still need one node."""
+        import ray
+
+        return not missing(replica_demand(spec.engine), ray.available_resources())
 
     async def after_load(self, app: str, deployed_at: float | None, spares: int) -> None:
         """Up to `spares` spare workers for the node of the app's new replica (`deployed_at`: None for an adopted
