@@ -36,6 +36,7 @@ from rayrunner.registry.capacity import (
 )
 from rayrunner.registry.config import RegistryConfig
 from rayrunner.registry.lifecycle import OCCUPYING, Phase
+from rayrunner.registry.model_apps import ModelApps
 from rayrunner.registry.state import ModelRecord, RegistryState, UnloadMode
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ CLAIM_S = 2.0  # a model loaded for a request stays protected this long, unless 
 
 
 class CapacityMixin:
+    apps: ModelApps
     state: RegistryState
     config: RegistryConfig
     _in_flight: InFlightBook
