@@ -66,9 +66,10 @@ def _text_config(vocab_size: int) -> LlamaConfig:
     )
 
 
-def build_tiny_llama(path: str | Path) -> str:
-    """A 2-layer Llama text model (bf16) with the SmolLM2 tokenizer and chat template; returns the folder."""
-    torch.manual_seed(0)
+def build_tiny_llama(path: str | Path, seed: int = 0) -> str:
+    """A 2-layer Llama text model (bf16) with the SmolLM2 tokenizer and chat template; returns the folder. Weights
+    are the same for the same `seed` (content-keyed caches, such as the quantized model cache, then hit)."""
+    torch.manual_seed(seed)
     tokenizer = _tokenizer(with_image_token=False)
     model = LlamaForCausalLM(_text_config(len(tokenizer))).to(torch.bfloat16)
     model.save_pretrained(str(path))

@@ -14,14 +14,20 @@ import pytest
 from rayrunner.models import load_progress
 from rayrunner.models.load_progress import PHASES
 from tests.conftest import Service, model_entry
+from tests.tiny_models import build_tiny_llama
 
 QUANTIZED = "tiny-q8"
 WRONG_ARCH = "tiny-wrong-arch"
 
 
 @pytest.fixture(scope="module")
-def service(cluster: dict[str, Any], tiny_llama_dir: str) -> Iterator[Service]:
-    quantized = model_entry(QUANTIZED, tiny_llama_dir, load=False)
+def service(
+    cluster: dict[str, Any], tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Service]:
+    # Weights of their own: the quantized model cache is keyed by content and outlives a test session, so a model
+    # quantized before (by another test, or an earlier run on this machine) would never show `quantizing` here.
+    unique = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-unique"), seed=time.time_ns() % 2**31)
+    quantized = model_entry(QUANTIZED, unique, load=False)
     quantized["spec"]["in_situ_quant"] = "Q8_0"
     wrong_arch = model_entry(WRONG_ARCH, tiny_llama_dir, load=False)
     wrong_arch["spec"]["which"]["arch"] = "Qwen2"  # the folder holds a Llama: fails after `resolving`
