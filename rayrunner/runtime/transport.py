@@ -2,11 +2,10 @@
 replicas rather than as Ray actor calls through the object store.
 
 Every token of a stream crosses two Serve hops (proxy -> router replica -> model replica), each once per chunk.
-On a 2-core box those hops' CPU is taken from the model's compute threads, so they cost generation speed. Ray
+On a small box those hops' CPU is taken from the model's compute threads, so they cost generation speed. Ray
 Serve 2.60 can send a handle's calls over a gRPC channel to the replica instead (`_by_reference=False`; what its
-"throughput optimized" mode turns on for all handles), and its proxy can do the same (`RAY_SERVE_PROXY_USE_GRPC`).
-Measured (SmolLM2 bf16, 16 streamed chats of 64 tokens over HTTP, 2 cores, three alternating pairs of fresh
-clusters): 186 -> 227 tok/s median, the router's and proxy's CPU per chunk about halved.
+"throughput optimized" mode turns on for all handles), and its proxy can do the same (`RAY_SERVE_PROXY_USE_GRPC`);
+docs/performance.md has what that gains (`bench/bench_transport.py`).
 
 A replica's gRPC server takes messages up to `RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH` (4 MB by default, read when
 the replica's process starts), less than a chat with a large image or a long batch of embeddings: `REPLICA_ENV`
