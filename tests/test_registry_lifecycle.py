@@ -274,3 +274,23 @@ async def test_a_spec_that_cannot_be_read_back_is_logged_and_redeployed(tmp_path
         assert await again.ensure_loaded("m1") == "m1"
     assert apps.deploys(app(again, "m1")) == 2
     assert any("cannot read the spec its app runs" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+async def test_a_failed_load_whose_app_cannot_be_deleted_is_logged_and_not_stuck(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A load that fails leaves the model `unloaded` with its error even when its app cannot be deleted; the
+    delete's failure is logged, not swallowed, and the next request tries the load again."""
+
+    class Undeletable(FakeModelApps):
+        async def delete(self, app: str) -> None:
+            raise RuntimeError("serve controller unreachable")
+
+    apps = Undeletable(failing={"m1"})
+    reg = await registry(tmp_path, apps, [entry("m1")])
+    with caplog.at_level("WARNING", logger="rayrunner"), pytest.raises(ModelLoadError, match="failed to start"):
+        await reg.ensure_loaded("m1")
+    record = reg.state.models["m1"]
+    assert record.status == "unloaded" and "failed to start" in (record.last_error or "")
+    assert any("could not be deleted" in r.getMessage() and r.exc_info for r in caplog.records)
+    apps.failing.clear()
+    assert await reg.ensure_loaded("m1") == "m1"
