@@ -51,7 +51,9 @@ def start_cluster(dashboard_port: int | None = None, http_port: int | None = Non
     env.update({key: value for key, value in os.environ.items() if key.startswith("VLLM_CPU_")})
     if os.environ.get("RAYRUNNER_CACHE_DIR"):
         env["RAYRUNNER_CACHE_DIR"] = os.environ["RAYRUNNER_CACHE_DIR"]
-    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_port=dashboard_port,
+    # The node's own CPU count, as `serve run serve_config.yaml` starts Ray on it: replicas' reservations bind as
+    # they would for a user.
+    ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=True, dashboard_port=dashboard_port,
              runtime_env={"env_vars": env}, logging_level="WARNING", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": http_port}, logging_config={"enable_access_log": False})
     return f"http://127.0.0.1:{http_port}"

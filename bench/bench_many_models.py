@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -195,6 +196,10 @@ def run_policy(policy: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                            **summary(outcomes, loads, args.room, args.slo, args.duration, tiers.most_loaded)}
                     print(_line(row), flush=True)
                     rows.append({**row, "outcomes": [asdict(o) for o in outcomes]})
+            if args.json:  # the registry's log says when and why each model moved
+                log = Path(state_dir) / "registry.log"
+                if log.exists():
+                    shutil.copy(log, args.json.with_name(f"{args.json.stem}-{policy}-registry.log"))
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -226,7 +231,8 @@ def main() -> None:
     parser.add_argument("--slo", type=float, default=2.0)
     parser.add_argument("--settle", type=float, default=10.0, help="seconds after the warm-up (spares import)")
     parser.add_argument("--policies", type=lambda v: v.split(","), default=list(POLICIES))
-    parser.add_argument("--json", type=Path, help="save every run's requests here")
+    parser.add_argument("--json", type=Path, help="save every run's requests here (and each policy's registry log "
+                        "beside it)")
     args = parser.parse_args()
     print(f"CPU: {cpu_kind()}; {args.models} models, room for {args.room}, Zipf {args.zipf}, {args.arrivals} "
           f"arrivals, {args.duration:.0f} s per run, {args.max_tokens} tokens per request, SLO TTFT <= {args.slo} s")

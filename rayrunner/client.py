@@ -340,7 +340,7 @@ def _start_ray(address: str | None, log_level: str | int, attach_only: bool = Fa
         return False
     for name, value in CLUSTER_ENV.items():  # read by the raylet this starts: warm spare workers
         os.environ.setdefault(name, value)
-    # Logical CPUs are placement slots, not cores: each model replica reserves `num_cpus` (0.5 by default) and the
+    # Logical CPUs are placement slots, not cores: each model replica reserves `num_cpus` (0.125 by default) and the
     # busy engines share the real cores (`deployments.core_share`), so several Runners' models fit one small machine.
     ray.init(address="local", include_dashboard=True, num_cpus=CPU_SLOTS_PER_CORE * node_cores(), **quiet)
     return True

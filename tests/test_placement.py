@@ -21,9 +21,17 @@ def test_actor_options_carry_every_placement_setting_by_rays_names() -> None:
     engine = settings(num_gpus=1, num_cpus=2, accelerator_type="A10G", memory=GIB, resources={"nvme": 1})
     assert engine.ray_actor_options() == {
         "num_cpus": 2, "num_gpus": 1, "accelerator_type": "A10G", "memory": GIB, "resources": {"nvme": 1}}
-    assert settings().ray_actor_options() == {"num_cpus": 0.5, "num_gpus": 0.0}
+    assert settings().ray_actor_options() == {"num_cpus": 0.125, "num_gpus": 0.0}
     assert replica_demand(engine) == {"nvme": 1, "CPU": 2, "GPU": 1, "memory": GIB, "accelerator_type:A10G": 0.001}
     assert replica_demand(settings(num_cpus=0)) == {}
+
+
+def test_by_default_a_two_core_node_holds_eight_models_loaded_or_asleep_beside_the_router() -> None:
+    """`serve run` starts Ray with the node's cores as its CPUs, and a sleeping replica keeps its reservation:
+    with room for 3 of 8 models the other 5 sleep on the node instead of being stopped for their CPUs."""
+    from rayrunner.router.app import ROUTER_NUM_CPUS
+
+    assert ROUTER_NUM_CPUS + 8 * replica_demand(settings())["CPU"] <= 2
 
 
 @pytest.mark.parametrize("name", ["CPU", "GPU", "memory", "accelerator_type:A10G"])

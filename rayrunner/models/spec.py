@@ -64,7 +64,11 @@ class EngineSettings(Replicas):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto`: cuda when the replica has a GPU.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved by each replica; above 1 a whole number, the "
                             "model spread over them (transformers: layers by `device_map`; vllm: tensor parallel).")
-    num_cpus: float = Field(0.5, ge=0, description="CPUs reserved by each replica (fractional is fine).")
+    num_cpus: float = Field(
+        0.125, ge=0, description="CPUs reserved by each replica (fractional is fine). A placement slot, not a core: "
+        "the busy engines share the node's cores at run time (`deployments.step.core_share`), and a sleeping "
+        "replica keeps its reservation, so the default lets a 2-core node hold 15 model replicas, loaded or asleep; "
+        "what bounds them is memory (`max_loaded_models`, `max_loaded_bytes`, `max_asleep_models`).")
     accelerator_type: str | None = Field(
         None, min_length=1, description="Ray's `accelerator_type` (e.g. `A10G`, `H100`): the replica runs only on a "
         "node with resource `accelerator_type:<type>`."

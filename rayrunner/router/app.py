@@ -42,6 +42,7 @@ from rayrunner.runtime.ready_batches import ready_batches
 from rayrunner.runtime.transport import REPLICA_ENV
 
 B = TypeVar("B", bound=BaseModel)
+ROUTER_NUM_CPUS = 0.1  # the router replica's placement slot (it waits on the network, the engines compute)
 # "default" documents the error shape of every route (and keeps FastAPI from advertising a 422 it never sends);
 # a body sent without a content-type is read as JSON, as before bodies were declared.
 api = FastAPI(
@@ -159,7 +160,7 @@ async def _counted(model: str, method: str, stream: AsyncIterator[Any]) -> Async
 
 
 @serve.deployment(name="Router", max_ongoing_requests=256,
-                  ray_actor_options={"num_cpus": 0.1, "runtime_env": {"env_vars": REPLICA_ENV}})
+                  ray_actor_options={"num_cpus": ROUTER_NUM_CPUS, "runtime_env": {"env_vars": REPLICA_ENV}})
 @serve.ingress(api)
 class Router:
     async def __init__(self, config: dict[str, Any]) -> None:  # type: ignore[misc]  # Serve awaits it

@@ -112,8 +112,10 @@ def test_a_request_past_the_timeout_is_408_and_the_load_it_started_finishes(serv
 
 def _hold_free_cpus() -> list[Any]:
     """Actors holding every CPU the cluster has free (Ray takes fractions only below 1: a whole part and a rest),
-    until less than a replica's 0.5 is left: CPUs a finished test's replica frees meanwhile are taken too."""
+    until less than a replica's `num_cpus` is left: CPUs a finished test's replica frees meanwhile are taken too."""
     import ray
+
+    from rayrunner.models.spec import EngineSettings
 
     @ray.remote
     class Holder:
@@ -121,7 +123,7 @@ def _hold_free_cpus() -> list[Any]:
             return True
 
     holders: list[Any] = []
-    while (free := round(ray.available_resources().get("CPU", 0.0), 4)) >= 0.5:
+    while (free := round(ray.available_resources().get("CPU", 0.0), 4)) >= EngineSettings().num_cpus:
         whole, rest = divmod(free, 1)
         held = [Holder.options(num_cpus=amount).remote() for amount in (whole, rest) if amount > 0]  # type: ignore[attr-defined]
         ray.get([holder.ready.remote() for holder in held], timeout=60)
