@@ -46,10 +46,11 @@ REPLICA_RUNTIME_ENV = {"env_vars": {PRELOAD_ENV_VAR: "1", **serve_transport.REPL
                                     ray_private.SETUP_HOOK_ENV_VAR: "rayrunner.runtime.preload.worker_setup"}}
 KEEP_ALIVE_S = 600
 WARM_MARGIN_S = 1.0  # a replica whose process is this much older than its deploy ran in a waiting worker
-# A spare is asked for this long after the load, once the requests that waited for the model have their answers:
-# a worker process starting (Python and Ray, before its imports drop to nice +10) took SmolLM2's first answer
-# after a stop from 0.1 s to 0.3-0.45 s on a 2-core box.
-SPARE_DELAY_S = 3.0
+# A spare is asked for this long after the load, once the requests that waited for the model have their first
+# answers: a worker process starting (Python and Ray, before its imports drop to nice +10) took SmolLM2's first
+# answer after a stop from 0.1 s to 0.3-0.45 s on a 2-core box when asked for at once. Not longer: the spare imports
+# for ~5 s there, and a user switching to another new model within that starts it in a half-ready worker.
+SPARE_DELAY_S = 1.0
 
 
 def prestart_worker(worker: dict[str, Any], keep_alive_s: int = KEEP_ALIVE_S, count: int = 1) -> bool:
