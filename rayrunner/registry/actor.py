@@ -411,6 +411,8 @@ class Registry(CapacityMixin):
             record.unloaded_reason = None
             record.load_count += 1
             self._persist()
+            how = "adopted" if mode == "adopt" else "woken" if deployed_at is None else "started"
+            logger.info("loaded `%s` (%s, %.2f s)", spec.model_id, how, record.load_seconds)
             metrics.model_loaded(spec.model_id, record.load_seconds, record.info.get("weight_bytes"))
             if deployed_at is not None or mode == "adopt":  # the next replica on that node starts in a warm worker
                 self._spawn(self.apps.after_load(spec.app_name, deployed_at, self.config.warm_spares))

@@ -7,6 +7,7 @@ a keep_alive over HTTP: integration/test_lifecycle.py."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -102,7 +103,9 @@ def test_a_model_streaming_is_not_evicted_mid_stream(service: Service) -> None:
     assert service.card("m2")["unloaded_reason"] == "evicted: max_loaded_models"
 
 
-def test_the_registry_logs_each_eviction_and_why(service: Service) -> None:
+def test_the_registry_logs_each_eviction_and_why_and_each_load_and_how(service: Service) -> None:
     log = (service.cluster["state_dir"] / "capacity.log").read_text()
     assert "unloading `m2` (evicted: max_loaded_models, sleep)" in log
     assert "unloading `m1` (evicted: max_loaded_models, sleep)" in log
+    assert re.search(r"loaded `m3` \(started, [0-9.]+ s\)", log)  # its first load started a replica
+    assert re.search(r"loaded `m2` \(woken, [0-9.]+ s\)", log)  # back from sleep
