@@ -14,7 +14,8 @@ from the cache and the evicted ones sit in the tier the policy sends them to. Ea
 loading), polled from `/v1/models`. Figures per run: requests, failed, TTFT p50/p99, p99 per tier, SLO attainment
 (TTFT <= `--slo`), goodput (requests within the SLO per second), loads (wakes and cold loads, from the cards'
 `load_count`) per 1,000 requests beside what Belady's offline optimum and plain LRU would make on the same
-sequence, and the most models seen loaded at once. `--json` saves every request.
+sequence, the most models seen loaded at once, and the models still loading once every request has its answer
+(none, or a load is stuck). `--json` saves every request.
 
 Run:  .venv/bin/python bench/bench_many_models.py [--policies tiered,lru-stop] [--rates 0.5,1] [--duration 120]
 It starts its own local Ray cluster per policy (ports in 30000-32000) and shuts it down at the end.
@@ -135,7 +136,7 @@ async def run_workload(base: str, requests: list[Request], refused: set[str]
 
 
 def summary(outcomes: list[Outcome], loads: dict[str, int], room: int, slo: float, duration: float,
-            most_loaded: int) -> dict[str, Any]:
+            most_loaded: int, left_loading: list[str]) -> dict[str, Any]:
     served = [o for o in outcomes if o.error is None and o.ttft is not None]
     ttfts = sorted(o.ttft for o in served if o.ttft is not None)
     sequence = [o.model for o in outcomes]
@@ -147,7 +148,7 @@ def summary(outcomes: list[Outcome], loads: dict[str, int], room: int, slo: floa
             "goodput_rps": within / duration, "loads": sum(loads.values()),
             "loads_per_1000": 1000 * sum(loads.values()) / max(1, len(outcomes)),
             "belady_loads": belady_loads(sequence, room), "lru_loads": lru_loads(sequence, room),
-            "most_loaded": most_loaded}
+            "most_loaded": most_loaded, "left_loading": left_loading}
 
 
 def _p(values: list[float], q: float) -> float | None:
@@ -193,7 +194,8 @@ def run_policy(policy: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                     requests = workload(ids, args.zipf, args.arrivals, rate, args.duration, seed, args.max_tokens)
                     outcomes, tiers, loads = asyncio.run(run_workload(base, requests, refused))
                     row = {"policy": policy, "rate": rate, "seed": seed,
-                           **summary(outcomes, loads, args.room, args.slo, args.duration, tiers.most_loaded)}
+                           **summary(outcomes, loads, args.room, args.slo, args.duration, tiers.most_loaded,
+                                     [m for m, tier in tiers.tiers.items() if tier == "loading"])}
                     print(_line(row), flush=True)
                     rows.append({**row, "outcomes": [asdict(o) for o in outcomes]})
             if args.json:  # the registry's log says when and why each model moved
@@ -215,7 +217,7 @@ def _line(row: dict[str, Any]) -> str:
             f"{row['failed']:<3} TTFT p50 {s(row['ttft_p50'])} p99 {s(row['ttft_p99'])} s  p99 by tier [{tiers}]  "
             f"SLO {row['attainment']:.3f}  goodput {row['goodput_rps']:.2f}/s  loads {row['loads']} "
             f"({row['loads_per_1000']:.0f}/1000; Belady {row['belady_loads']}, LRU {row['lru_loads']})  "
-            f"most loaded {row['most_loaded']}")
+            f"most loaded {row['most_loaded']}, left loading {row['left_loading'] or 'none'}")
 
 
 def main() -> None:
