@@ -156,3 +156,25 @@ def test_the_preload_imports_at_low_priority_and_gives_it_back() -> None:
         release.set()
         started_inside.join()
     assert during == (min(before + 10, 19) if _may_set_niceness(before) else before)
+
+
+def test_the_router_and_model_replicas_serve_at_normal_priority_however_ray_started() -> None:
+    """A plain `serve run` starts Ray's workers at nice 15: the router's and the model replicas' setup hooks bring
+    them back to 0 (where the process may), the router's without importing the model stack."""
+    from rayrunner.router.app import Router
+    from rayrunner.runtime import ray_private
+
+    options = Router.ray_actor_options or {}
+    hook = options["runtime_env"]["env_vars"][ray_private.SETUP_HOOK_ENV_VAR]
+    assert hook == "rayrunner.runtime.preload.serving_setup"
+    replica_hook = warm_workers.REPLICA_RUNTIME_ENV["env_vars"][ray_private.SETUP_HOOK_ENV_VAR]
+    assert replica_hook == "rayrunner.runtime.preload.worker_setup"
+    code = ("import os, sys, rayrunner.runtime.preload as p; p.serving_setup(); "
+            "print(os.getpriority(os.PRIO_PROCESS, 0), 'torch' in sys.modules)")
+    done = subprocess.run(["nice", "-n", "15", sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from rayrunner.runtime.preload import _may_set_niceness
+
+    niceness, imported = done.stdout.split()
+    assert int(niceness) == (0 if _may_set_niceness(0) else 15) and imported == "False"

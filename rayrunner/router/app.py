@@ -39,7 +39,7 @@ from rayrunner.router.service import _GENERATES, ModelCall, ModelStream, Registr
 from rayrunner.runtime import logs, metrics, ray_private
 from rayrunner.runtime.app_args import builder_args
 from rayrunner.runtime.ready_batches import ready_batches
-from rayrunner.runtime.transport import REPLICA_ENV
+from rayrunner.runtime.warm_workers import ROUTER_RUNTIME_ENV
 
 B = TypeVar("B", bound=BaseModel)
 ROUTER_NUM_CPUS = 0.1  # the router replica's placement slot (it waits on the network, the engines compute)
@@ -160,7 +160,7 @@ async def _counted(model: str, method: str, stream: AsyncIterator[Any]) -> Async
 
 
 @serve.deployment(name="Router", max_ongoing_requests=256,
-                  ray_actor_options={"num_cpus": ROUTER_NUM_CPUS, "runtime_env": {"env_vars": REPLICA_ENV}})
+                  ray_actor_options={"num_cpus": ROUTER_NUM_CPUS, "runtime_env": ROUTER_RUNTIME_ENV})
 @serve.ingress(api)
 class Router:
     async def __init__(self, config: dict[str, Any]) -> None:  # type: ignore[misc]  # Serve awaits it

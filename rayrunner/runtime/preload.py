@@ -54,11 +54,18 @@ _preloaded = False
 
 def worker_setup() -> None:
     """Ray's setup hook of model replica workers (`warm_workers.REPLICA_RUNTIME_ENV`): serve at the node's normal
-    priority (Ray starts workers at nice 15 unless `RAY_worker_niceness` says otherwise), then import the stack."""
+    priority, then import the stack."""
+    serving_setup()
+    preload()
+
+
+def serving_setup() -> None:
+    """Ray's setup hook of the router's workers (`warm_workers.ROUTER_RUNTIME_ENV`), and part of `worker_setup`:
+    serve at the node's normal priority (Ray starts workers at nice 15 unless `RAY_worker_niceness` says otherwise,
+    and every token crosses the router)."""
     niceness = os.getpriority(os.PRIO_PROCESS, 0)
     if niceness > 0 and _may_set_niceness(0):
         os.setpriority(os.PRIO_PROCESS, 0, 0)
-    preload()
 
 
 def preload() -> None:

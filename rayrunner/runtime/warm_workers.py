@@ -44,6 +44,9 @@ CLUSTER_ENV = {"RAY_preload_python_modules": "rayrunner.runtime.preload", "RAY_w
 # (a plain `serve run` sets none of `CLUSTER_ENV`): Ray runs `worker_setup` in each before its first task.
 REPLICA_RUNTIME_ENV = {"env_vars": {PRELOAD_ENV_VAR: "1", **serve_transport.REPLICA_ENV,
                                     ray_private.SETUP_HOOK_ENV_VAR: "rayrunner.runtime.preload.worker_setup"}}
+# The router imports no model stack, but serves at the node's normal priority however the cluster was started.
+ROUTER_RUNTIME_ENV = {"env_vars": {**serve_transport.REPLICA_ENV,
+                                   ray_private.SETUP_HOOK_ENV_VAR: "rayrunner.runtime.preload.serving_setup"}}
 KEEP_ALIVE_S = 600
 WARM_MARGIN_S = 1.0  # a replica whose process is this much older than its deploy ran in a waiting worker
 # A spare is asked for this long after the load, once the requests that waited for the model have their first
