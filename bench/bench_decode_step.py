@@ -1,4 +1,4 @@
-"""Decode steps in process: rayrunner's fast step (`rayrunner.deployments.step.fast_decode`) against
+"""Decode steps in process: rayrunner's fast step (`rayrunner.engines.transformers.step.fast_decode`) against
 transformers' forward on the same model and the same kind of `BatchCache`, per ISQ level and batch shape,
 alternating the two sides.
 
@@ -25,7 +25,7 @@ def load(level: str) -> Any:
     """The builtin SmolLM2 loaded (and quantized) as a replica loads it, on this thread."""
     from transformers import AutoModelForCausalLM
 
-    from rayrunner.deployments.loading import load_model
+    from rayrunner.engines.loading import load_model
     from rayrunner.models.sources import SMOLLM2
     from rayrunner.models.spec import build_spec
 
@@ -38,7 +38,7 @@ def load(level: str) -> Any:
 def decode_rate(model: Any, fast: Any, rows: int, context: int, steps: int) -> float:
     """Tok/s of `steps` greedy decode steps over `rows` sequences of `context` tokens (`fast`: None for
     transformers' forward)."""
-    from rayrunner.deployments.step.kv_batch import BatchCache, new_cache
+    from rayrunner.engines.transformers.kv.kv_batch import BatchCache, new_cache
 
     batch = BatchCache(new_cache(model.config), torch.zeros((rows, 0), dtype=torch.long))
     prompt = torch.randint(0, 1000, (rows, context), generator=torch.Generator().manual_seed(0))
@@ -71,7 +71,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from rayrunner.deployments.step.fast_decode import FastDecode
+    from rayrunner.engines.transformers.step.fast_decode import FastDecode
 
     print(cpu_line())
     print(f"SmolLM2, CPU, {torch.get_num_threads()} torch threads, {args.steps} steps, median of {args.rounds}")

@@ -32,10 +32,10 @@ import torch
 from cpu_kind import cpu_line
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from rayrunner.deployments.sampling_params import SamplingParams
-from rayrunner.deployments.text_engine import TextEngine
+from rayrunner.engines.transformers.text import TextEngine
 from rayrunner.models.sources import SMOLLM2, resolve
 from rayrunner.models.spec import build_spec
+from rayrunner.openai.sampling_params import SamplingParams
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
 
 WINDOW = 512

@@ -67,7 +67,7 @@ async def complete(client: httpx.AsyncClient, text: str, max_tokens: int) -> dic
 def stats() -> dict[str, int]:
     from ray import serve
 
-    from rayrunner.deployments.model_server import DEPLOYMENT
+    from rayrunner.replica.model_server import DEPLOYMENT
 
     info: dict[str, Any] = serve.get_deployment_handle(DEPLOYMENT, app_name=MODEL).info.remote().result()
     found: dict[str, int] = info["extra"]["scheduler"]

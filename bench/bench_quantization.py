@@ -176,7 +176,7 @@ def measure(folder: str, level: str, ids: torch.Tensor, noisy: bool) -> Row:
 
 async def chats(engine: Any, streams: int, tokens: int) -> float:
     """Aggregate tok/s of `streams` concurrent greedy chats of `tokens` tokens on `engine`."""
-    from rayrunner.deployments.sampling_params import SamplingParams
+    from rayrunner.openai.sampling_params import SamplingParams
     from rayrunner.protocol import ChatCompletionRequest
 
     async def one(city: str) -> int:
@@ -192,8 +192,8 @@ async def chats(engine: Any, streams: int, tokens: int) -> float:
 def decode_speeds(rows: list[Row], batches: list[int], tokens: int, rounds: int) -> None:
     """Fill each row's tokens_per_second, alternating the levels within each round (after one warm-up round). Each
     level's engine is loaded for its turn and closed after it: two engines' compute threads in one process slow each
-    other down (see `rayrunner.deployments.step.compute_thread`), and a replica holds one."""
-    from rayrunner.deployments.text_engine import TextEngine
+    other down (see `rayrunner.engines.transformers.step.compute_thread`), and a replica holds one."""
+    from rayrunner.engines.transformers.text import TextEngine
     from rayrunner.models.spec import build_spec
 
     which = {"type": "plain", "model_id": SMOLLM2}

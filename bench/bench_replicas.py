@@ -21,7 +21,7 @@ from cpu_kind import cpu_line
 from ray import serve
 from rayrunner_service import rayrunner_service, smollm2_spec
 
-from rayrunner.deployments.model_server import DEPLOYMENT
+from rayrunner.replica.model_server import DEPLOYMENT
 
 
 def latencies(http: httpx.Client, model: str, count: int) -> list[float]:

@@ -118,14 +118,14 @@ class InProcessStream:
     """One chat on the replica's own engine in this driver, its events consumed as the replica does."""
 
     def __init__(self, threads: int) -> None:
-        from rayrunner.deployments.text_engine import TextEngine
+        from rayrunner.engines.transformers.text import TextEngine
         from rayrunner.models.spec import build_spec
 
         self.spec = build_spec(MODEL_ID, {"type": "plain", "model_id": SMOLLM2}, None, {"torch_threads": threads})
         self.engine = TextEngine(self.spec)
 
     async def rate(self, prompt: str, max_tokens: int) -> float:
-        from rayrunner.deployments.sampling_params import sampling_params
+        from rayrunner.openai.sampling_params import sampling_params
         from rayrunner.protocol import ChatCompletionRequest
 
         request = ChatCompletionRequest(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,

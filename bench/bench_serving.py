@@ -28,8 +28,8 @@ from bench_cluster import start_cluster
 from cpu_kind import cpu_line
 from ray import serve
 
-from rayrunner.deployments.model_server import ModelServer
 from rayrunner.models.sources import SMOLLM2, resolve
+from rayrunner.replica.model_server import ModelServer
 from rayrunner.router.app import build_router_app
 
 MODEL_ID = "smollm2"

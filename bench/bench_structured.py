@@ -27,12 +27,12 @@ import torch
 from cpu_kind import cpu_line
 from transformers import AutoConfig, AutoTokenizer
 
-from rayrunner.deployments.sampling_params import SamplingParams
-from rayrunner.deployments.step.constrained import Grammars
-from rayrunner.deployments.structured_output import json_target
-from rayrunner.deployments.text_engine import TextEngine
+from rayrunner.engines.transformers.constrained import Grammars
+from rayrunner.engines.transformers.text import TextEngine
 from rayrunner.models.sources import SMOLLM2, resolve
 from rayrunner.models.spec import build_spec
+from rayrunner.openai.sampling_params import SamplingParams
+from rayrunner.openai.structured_output import json_target
 from rayrunner.protocol import ChatCompletionRequest
 
 SCHEMA: dict[str, Any] = {
@@ -116,7 +116,7 @@ def timed_walk(ids: list[int], walks: int, start: Callable[[], Callable[[int], N
 
 def mask_costs(walks: int) -> None:
     """Before any engine starts: torch ops from a thread other than the engine's compute thread would pay for
-    waking a second OpenMP pool (see `rayrunner.deployments.step.compute_thread`)."""
+    waking a second OpenMP pool (see `rayrunner.engines.transformers.step.compute_thread`)."""
     folder = resolve(SMOLLM2).path
     tokenizer, vocab = AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder).vocab_size
     eos_ids = {tokenizer.eos_token_id}

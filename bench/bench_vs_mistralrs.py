@@ -113,7 +113,7 @@ def mistralrs_folder(builtin: Path, target: Path) -> Path:
 
 class Rayrunner:
     """rayrunner's engine for one level at a time (each engine has a compute thread, and two at once in one process
-    slow each other down: see `rayrunner.deployments.step.compute_thread`), driven on one event loop."""
+    slow each other down: see `rayrunner.engines.transformers.step.compute_thread`), driven on one event loop."""
 
     def __init__(self) -> None:
         self.level: str | None = None
@@ -126,7 +126,7 @@ class Rayrunner:
         return self.loop.run_until_complete(self._chat(tokens))
 
     def _load(self, level: str) -> None:
-        from rayrunner.deployments.text_engine import TextEngine
+        from rayrunner.engines.transformers.text import TextEngine
         from rayrunner.models.sources import SMOLLM2
         from rayrunner.models.spec import build_spec
 
@@ -138,7 +138,7 @@ class Rayrunner:
         self.level = level
 
     async def _chat(self, tokens: int) -> dict[str, Any]:
-        from rayrunner.deployments.sampling_params import SamplingParams
+        from rayrunner.openai.sampling_params import SamplingParams
         from rayrunner.protocol import ChatCompletionRequest
 
         request = ChatCompletionRequest(messages=[{"role": "user", "content": PROMPT}])

@@ -21,13 +21,11 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from rayrunner.deployments.step.core_share import node_cores
 from rayrunner.errors import RayRunnerError, SpecMismatchError, unwrap
 from rayrunner.models.source_policy import SourcePolicy
-from rayrunner.models.spec import build_spec
+from rayrunner.models.spec import DEFAULT_MODEL, build_spec
 from rayrunner.models.which import Which
 from rayrunner.protocol import (
-    DEFAULT_MODEL,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -37,6 +35,7 @@ from rayrunner.protocol import (
     EmbeddingResponse,
 )
 from rayrunner.runtime import ray_private
+from rayrunner.runtime.core_share import node_cores
 from rayrunner.runtime.warm_workers import CLUSTER_ENV
 
 APP_NAME = "rayrunner"
@@ -341,7 +340,7 @@ def _start_ray(address: str | None, log_level: str | int, attach_only: bool = Fa
     for name, value in CLUSTER_ENV.items():  # read by the raylet this starts: warm spare workers
         os.environ.setdefault(name, value)
     # Logical CPUs are placement slots, not cores: each model replica reserves `num_cpus` (0.125 by default) and the
-    # busy engines share the real cores (`deployments.core_share`), so several Runners' models fit one small machine.
+    # busy engines share the real cores (`runtime.core_share`), so several Runners' models fit one small machine.
     ray.init(address="local", include_dashboard=True, num_cpus=CPU_SLOTS_PER_CORE * node_cores(), **quiet)
     return True
 

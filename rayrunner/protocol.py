@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rayrunner.models.keep_alive import KeepAlive, checked_keep_alive
+from rayrunner.models.spec import DEFAULT_MODEL
 from rayrunner.unsupported_fields import (
     OpenAIChatUnsupported,
     VllmChatUnsupported,
@@ -20,8 +21,6 @@ from rayrunner.unsupported_fields import (
     not_yet,
     not_yet_doc,
 )
-
-DEFAULT_MODEL = "default"
 
 
 def _new_id(prefix: str) -> str:
@@ -186,7 +185,7 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputOptions(BaseModel):
     """rayrunner extension: how a JSON answer (`response_format`, or a forced tool call's arguments) is kept on the
-    model's distribution. Each default was chosen by measurement (rayrunner/deployments/structured_output.py says
+    model's distribution. Each default was chosen by measurement (rayrunner/openai/structured_output.py says
     which figures); a field set here switches that behaviour for this request only."""
 
     model_config = ConfigDict(extra="forbid")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv-vllm: the interpreter of models served with `engine.backend: vllm` (rayrunner/deployments/vllm_runtime.py).
+# Create .venv-vllm: the interpreter of models served with `engine.backend: vllm` (rayrunner/engines/vllm/runtime.py).
 # Usage: bash scripts/install_vllm.sh   (after scripts/install.sh; a finished install is kept)
 # vLLM pins transformers, fastapi, llguidance and torch below the ranges rayrunner needs, so it gets its own venv with
 # the same Ray as .venv, and rayrunner itself without dependencies; Serve starts those replicas with this python.

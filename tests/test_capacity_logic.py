@@ -24,7 +24,7 @@ from rayrunner.models.footprint import (
 from rayrunner.models.keep_alive import idle_deadline, parse_keep_alive
 from rayrunner.models.spec import ModelSpec, build_spec
 from rayrunner.protocol import ChatCompletionRequest
-from rayrunner.registry.capacity import (
+from rayrunner.registry.eviction_rules import (
     EVICTED_BYTES,
     EVICTED_MODELS,
     IN_FLIGHT_TTL_S,

@@ -20,14 +20,14 @@ from ray.serve import Application
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
 from rayrunner.cli.config_check import http_host
-from rayrunner.deployments.vllm_runtime import PYTHON_ENV_VAR
+from rayrunner.engines.vllm.runtime import PYTHON_ENV_VAR
 from rayrunner.models.spec import ModelSpec
 from rayrunner.registry.config import RegistryConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "cluster"
 ROUTER_APP = "rayrunner.router.app:build_router_app"
-MODEL_APP = "rayrunner.deployments.model_server:build_model_app"
+MODEL_APP = "rayrunner.replica.model_server:build_model_app"
 GPU = "nvidia.com/gpu"
 
 

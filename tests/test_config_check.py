@@ -96,7 +96,7 @@ def test_the_router_builder_fails_once_with_the_line() -> None:
 def test_the_model_builder_fails_once_with_the_line() -> None:
     from ray.serve.exceptions import RayServeException
 
-    from rayrunner.deployments.model_server import build_model_app
+    from rayrunner.replica.model_server import build_model_app
 
     spec = {"model_id": "m", "which": {"type": "plain", "model_id": "m"}, "engine": {"max_num_seq": 3}}
     with pytest.raises(RayServeException, match=r"^invalid model spec: args.engine.max_num_seq: unknown field"):

@@ -1,4 +1,5 @@
-"""The package's layering: the control plane imports no torch, and no module imports from a layer above its own."""
+"""The package's layering: the control plane imports no torch, no module imports from a layer above its own, and
+within a layer no package or module imports one that imports it back (no circle, however long)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rayrunner"
 LAYERS = [
     {"errors", "runtime"},
     {"protocol", "unsupported_fields", "models", "quantization"},
-    {"deployments"},
+    {"openai"},
+    {"engines"},
+    {"replica", "deployments"},
     {"registry"},
     {"router"},
     {"client", "cli", "__init__"},
@@ -22,7 +25,7 @@ LAYERS = [
 
 
 def layer_of(module: str) -> int:
-    top = module.split(".")[1] if "." in module else "__init__"
+    top = top_of(module)
     return next(index for index, names in enumerate(LAYERS) if top in names)
 
 
@@ -41,6 +44,10 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
+def top_of(module: str) -> str:
+    return module.split(".")[1] if "." in module else "__init__"
+
+
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -54,6 +61,59 @@ def test_no_module_imports_from_a_layer_above_its_own() -> None:
             if imported != "rayrunner" and layer_of(imported) > layer_of(name):
                 upward.append(f"{name} -> {imported}")
     assert upward == []
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each rayrunner module and the rayrunner modules it imports (a package's import counts as its `__init__`)."""
+    return {module_name(path): imports_of(path) - {"rayrunner"} for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm): each holds a circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, set()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while (member := stack.pop()) != node:
+                component.append(member)
+            component.append(node)
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_circle_between_modules() -> None:
+    assert circles(import_graph()) == []
+
+
+def test_no_circle_between_packages_of_a_layer() -> None:
+    """`models` and `quantization` share a layer: one may import the other, not both ways."""
+    packages: dict[str, set[str]] = {}
+    for module, imported in import_graph().items():
+        packages.setdefault(top_of(module), set()).update(top_of(name) for name in imported)
+    for top, imported in packages.items():
+        imported.discard(top)
+    assert circles(packages) == []
+
+
+def test_circles_are_found() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 @pytest.mark.parametrize("module", ["rayrunner.router.app", "rayrunner.registry.actor", "rayrunner.client"])

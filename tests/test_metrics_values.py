@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rayrunner.deployments.engine import GenerationEvent
+from rayrunner.openai.events import GenerationEvent
 from rayrunner.runtime import metrics
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from rayrunner.errors import AliasConflictError, ModelExistsError, ModelNotFoundError
 from rayrunner.registry.config import RegistryConfig
-from rayrunner.registry.state import ModelEntry, RegistryState
+from rayrunner.registry.state import ConfigChanges, ModelEntry, RegistryState
 
 TEXT = {"type": "plain", "model_id": "smollm2-135m-instruct"}
 EMBEDDING = {"type": "embedding", "model_id": "all-minilm-l6-v2"}
@@ -84,7 +84,7 @@ def test_removing_the_default_picks_a_model_of_the_same_kind_loaded_first() -> N
 def test_config_is_the_source_of_truth_for_the_models_it_declares() -> None:
     state = RegistryState()
     first = config(entry("smol", aliases=("s",)), entry("emb", EMBEDDING), default="s")
-    changes = state.apply_config(first)
+    changes = state.apply_config(first.models, first.default_model)
     assert changes.added == ["smol", "emb"] and state.default_id == "smol"
 
     # Runtime changes: another model, an alias, the default.
@@ -93,14 +93,14 @@ def test_config_is_the_source_of_truth_for_the_models_it_declares() -> None:
     state.set_default("extra")
 
     # The same config again changes nothing, and keeps the runtime changes.
-    again = state.apply_config(first)
+    again = state.apply_config(first.models, first.default_model)
     assert again.added == [] and again.respecified == [] and again.log == []
     assert state.default_id == "extra" and state.models["emb"].aliases == ["e"] and "extra" in state.models
 
     # A changed spec and a new alias are taken, and logged.
     edited = config(entry("smol", aliases=("s", "small"), in_situ_quant="Q4K"), entry("emb", EMBEDDING),
                     default="s")
-    changes = state.apply_config(edited)
+    changes = state.apply_config(edited.models, edited.default_model)
     assert changes.respecified == ["smol"] and state.models["smol"].spec.in_situ_quant == "Q4K"
     assert state.models["smol"].aliases == ["s", "small"]
     assert any("in_situ_quant: None -> 'Q4K'" in line for line in changes.log)
@@ -108,9 +108,9 @@ def test_config_is_the_source_of_truth_for_the_models_it_declares() -> None:
 
     # A config whose own default changed sets it, once.
     moved = config(*edited.models, default="emb")
-    assert state.apply_config(moved).log == ["default set to `emb` by the config (`emb`)"]
+    assert state.apply_config(moved.models, moved.default_model).log == ["default set to `emb` by the config (`emb`)"]
     state.set_default("smol")
-    state.apply_config(moved)
+    state.apply_config(moved.models, moved.default_model)
     assert state.default_id == "smol"
 
 
@@ -120,22 +120,22 @@ def test_a_state_from_before_config_defaults_were_remembered_takes_the_config_de
     state.add(entry("smol").spec, ["s"])
     state.add(entry("emb", EMBEDDING).spec, [])
     state.default_id = "emb"
-    state.apply_config(config(entry("smol", aliases=("s",)), entry("emb", EMBEDDING), default="s"))
+    apply(state, config(entry("smol", aliases=("s",)), entry("emb", EMBEDDING), default="s"))
     assert state.default_id == "smol" and state.config_default == "s"
 
 
 def test_config_sets_pinned_and_keep_alive_and_leaves_what_it_does_not_say() -> None:
     state = RegistryState()
     pinned = ModelEntry.model_validate({"spec": entry("m").spec.model_dump(), "pinned": True, "keep_alive": "5m"})
-    state.apply_config(config(pinned))
+    apply(state, config(pinned))
     record = state.models["m"]
     assert record.pinned and record.keep_alive == "5m" and record.effective_keep_alive() == "5m"
     record.request_keep_alive = 0  # a request's own keep_alive wins until the model unloads
     assert record.effective_keep_alive() == 0
-    state.apply_config(config(entry("m")))  # says neither: both stay
+    apply(state, config(entry("m")))  # says neither: both stay
     assert record.pinned and record.keep_alive == "5m"
     unpinned = ModelEntry.model_validate({"spec": entry("m").spec.model_dump(), "pinned": False})
-    state.apply_config(config(unpinned))
+    apply(state, config(unpinned))
     assert not record.pinned
     assert RegistryState.model_validate_json(state.model_dump_json()).models["m"].keep_alive == "5m"
 
@@ -144,16 +144,20 @@ def test_a_runtime_pin_or_unpin_outlives_restarts_with_the_same_config() -> None
     """Every router start applies its config again: a config's `pinned` applies only when its value changed."""
     declared = ModelEntry.model_validate({"spec": entry("m").spec.model_dump(), "pinned": True})
     state = RegistryState()
-    state.apply_config(config(declared))
+    apply(state, config(declared))
     record = state.models["m"]
     assert record.pinned
     record.pinned = False  # `rayrunner unpin m`
     restarted = RegistryState.model_validate_json(state.model_dump_json())
-    restarted.apply_config(config(declared))
+    apply(restarted, config(declared))
     assert restarted.models["m"].pinned is False
     undeclared = ModelEntry.model_validate({"spec": entry("m").spec.model_dump(), "pinned": False})
     restarted.models["m"].pinned = True  # `rayrunner pin m`
-    restarted.apply_config(config(undeclared))  # the config's own value changed: it wins
+    apply(restarted, config(undeclared))  # the config's own value changed: it wins
     assert restarted.models["m"].pinned is False
-    restarted.apply_config(config(declared))
+    apply(restarted, config(declared))
     assert restarted.models["m"].pinned is True
+
+
+def apply(state: RegistryState, declared: RegistryConfig) -> ConfigChanges:
+    return state.apply_config(declared.models, declared.default_model)

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from rayrunner.errors import InvalidSpecError, ModelLoadError, PermissionDeniedError
-from rayrunner.models.source_policy import TUNING_ENGINE_ARGS, SourcePolicy, carrying
+from rayrunner.models.source_policy import TUNING_ENGINE_ARGS, SourcePolicy
 from rayrunner.models.sources import is_hub_id, resolve
 from rayrunner.models.spec import ModelSpec, build_spec
 from rayrunner.models.which import GGUF, Embedding, Lora, Plain
@@ -143,7 +143,7 @@ def test_resolve_checks_again_what_it_reads(tmp_path: Path) -> None:
 
 def test_the_replica_checks_the_spec_it_was_given(tmp_path: Path) -> None:
     """`resolve_which` (every engine's load) checks the policy a spec carries: the tokenizer too."""
-    from rayrunner.deployments.loading import resolve_which
+    from rayrunner.engines.loading import resolve_which
 
     root = tmp_path / "models"
     (root / "m").mkdir(parents=True)
@@ -151,7 +151,7 @@ def test_the_replica_checks_the_spec_it_was_given(tmp_path: Path) -> None:
     which = {"type": "plain", "model_id": str(root / "m"), "tokenizer_json": str(tmp_path / "tokenizer.json")}
     spec = build_spec("m", which)
     assert resolve_which(spec)[1] == str(tmp_path / "tokenizer.json")  # no policy: the operator's choice
-    confined = carrying(spec, SourcePolicy(local_roots=[str(root)]))
+    confined = spec.carrying(SourcePolicy(local_roots=[str(root)]))
     with pytest.raises(PermissionDeniedError) as caught:
         resolve_which(confined)
     assert caught.value.param == "which.tokenizer_json"
@@ -169,10 +169,10 @@ def test_the_replica_checks_the_spec_it_was_given(tmp_path: Path) -> None:
 def test_a_model_added_at_runtime_sets_only_vllm_tuning(engine: dict[str, Any], param: str) -> None:
     spec = build_spec("m", SMOL, None, engine)
     with pytest.raises(PermissionDeniedError) as caught:
-        SourcePolicy(local_roots=["/"], hub_orgs=["*"]).confine(spec)
+        spec.confined(SourcePolicy(local_roots=["/"], hub_orgs=["*"]))
     assert caught.value.param == param and caught.value.status == 403
-    assert SourcePolicy.allow_all().confine(spec).engine.vllm == spec.engine.vllm  # a Runner's own service
-    assert SourcePolicy.allow_all().confine(spec).engine.image_url_allowlist == spec.engine.image_url_allowlist
+    assert spec.confined(SourcePolicy.allow_all()).engine.vllm == spec.engine.vllm  # a Runner's own service
+    assert spec.confined(SourcePolicy.allow_all()).engine.image_url_allowlist == spec.engine.image_url_allowlist
 
 
 def test_tuning_arguments_pass_and_the_spec_carries_the_policy(tmp_path: Path) -> None:
@@ -182,9 +182,9 @@ def test_tuning_arguments_pass_and_the_spec_carries_the_policy(tmp_path: Path) -
     caller_policy = SourcePolicy.allow_all().model_dump()  # what a caller puts in `engine.sources` counts for nothing
     spec = build_spec("m", SMOL, None, {"backend": "vllm", "vllm": {"engine_args": tuning}, "sources": caller_policy})
     policy = SourcePolicy(local_roots=[str(tmp_path)], hub_orgs=["Qwen"])
-    confined = policy.confine(spec)
+    confined = spec.confined(policy)
     assert confined.engine.sources == policy and confined.engine.vllm.engine_args == tuning
-    assert SourcePolicy(local_roots=["/"]).confine(spec).engine.sources is None  # nothing to check again
+    assert spec.confined(SourcePolicy(local_roots=["/"])).engine.sources is None  # nothing to check again
     replica = ModelSpec.model_validate(confined.replica_args())  # what each replica is built with
     assert replica.engine.sources == policy
     assert confined.rescaled({"num_replicas": 2}).engine.sources == policy  # a scale keeps it

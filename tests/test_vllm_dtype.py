@@ -12,8 +12,8 @@ from tests.tiny_models import build_tiny_llama
 
 CHECK = """
 import sys
-from rayrunner.deployments.loading import resolve_which
-from rayrunner.deployments.vllm_engine import _dtype
+from rayrunner.engines.loading import resolve_which
+from rayrunner.engines.vllm.engine import _dtype
 from rayrunner.models.spec import build_spec
 for folder in sys.argv[1:]:
     for dtype in ("auto", "bf16"):

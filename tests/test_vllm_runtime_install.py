@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rayrunner.deployments import vllm_runtime
+from rayrunner.engines.vllm import runtime as vllm_runtime
 from rayrunner.errors import InvalidSpecError
 from rayrunner.models.spec import build_spec
 

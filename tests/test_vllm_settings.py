@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from rayrunner.deployments import vllm_runtime
-from rayrunner.deployments.model_server import _runtime_env
+from rayrunner.engines.vllm import runtime as vllm_runtime
 from rayrunner.errors import InvalidSpecError
 from rayrunner.models.footprint import estimate_bytes, expected_weight_bytes
 from rayrunner.models.spec import build_spec
 from rayrunner.registry.state import RegistryState
+from rayrunner.replica.model_server import _runtime_env
 from rayrunner.runtime.warm_workers import REPLICA_RUNTIME_ENV
 
 SMOL = {"type": "plain", "model_id": "smollm2-135m-instruct"}

@@ -125,7 +125,7 @@ def test_a_replica_worker_preloads_the_model_server() -> None:
     imported is frozen out of later garbage collections (Serve's full collection at a replica's start walked it),
     and transformers' conversion mapping, built at a process's first load, is built already."""
     code = ("import gc, sys, rayrunner.runtime.preload; "
-            "assert 'rayrunner.deployments.model_server' in sys.modules, 'model server not preloaded'; "
+            "assert 'rayrunner.replica.model_server' in sys.modules, 'model server not preloaded'; "
             "assert gc.get_freeze_count() > 100_000, gc.get_freeze_count(); "
             "import transformers.conversion_mapping as c; assert c._checkpoint_conversion_mapping_cache")
     env = {**os.environ, warm_workers.PRELOAD_ENV_VAR: "1"}

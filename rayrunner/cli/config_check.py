@@ -27,7 +27,8 @@ from rayrunner.runtime.app_args import args_problem
 # Each rayrunner application builder and the model it validates its `args` with (tests check both resolve).
 APP_ARGS: dict[str, type[BaseModel]] = {
     "rayrunner.router.app:build_router_app": RegistryConfig,
-    "rayrunner.deployments.model_server:build_model_app": ModelSpec,
+    "rayrunner.replica.model_server:build_model_app": ModelSpec,
+    "rayrunner.deployments.model_server:build_model_app": ModelSpec,  # its path before the replica/ folder
 }
 
 

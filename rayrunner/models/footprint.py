@@ -4,10 +4,10 @@ engine's (`engine.kv_cache_bytes`; the vllm backend's `vllm.kv_cache_bytes`), el
 (`CPU_KV_BYTES` on CPU; on a GPU, `gpu_kv_budget` of its share of the device, known once a replica has loaded and
 reported it). Rough by design; once a model has loaded, its measured weight bytes and KV budget replace the estimate.
 A size that cannot be told (weights not on this machine, a GPU budget before any replica reported one) is None, and
-the capacity plan counts it as `rayrunner.registry.capacity` says.
+the capacity plan counts it as `rayrunner.registry.eviction_rules` says.
 
-The default KV budget's rule lives here, torch-free, so the replica (`deployments.step.kv_memory`) and the capacity
-estimate use the same one.
+The default KV budget's rule lives here, torch-free, so the replica (`engines.transformers.kv.kv_memory`) and the
+capacity estimate use the same one.
 """
 
 from __future__ import annotations

@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rayrunner.errors import PermissionDeniedError
 from rayrunner.models.sources import BUILTIN, is_hub_id
 from rayrunner.models.which import GGUF, AnyWhich
-
-if TYPE_CHECKING:
-    from rayrunner.models.spec import ModelSpec, VllmSettings
 
 ANY = "*"
 # Fields of a `which` that name a place to read weights, a tokenizer, an adapter or a cache from.
@@ -70,14 +67,13 @@ class SourcePolicy(BaseModel):
     def allow_all(cls) -> SourcePolicy:
         return cls(local_roots=["/"], hub_orgs=[ANY], engine_overrides=True)
 
-    def confine(self, spec: ModelSpec) -> ModelSpec:
-        """Check the spec of a model added at runtime; return it carrying this policy (in `engine.sources`, whatever
-        the caller put there) for its replicas to check again, or none when the policy allows every path."""
-        self.check(spec.which)
+    def check_engine(self, vllm_python: str | None, vllm_engine_args: dict[str, Any], image_allowlist: list[str]
+                     ) -> None:
+        """Raise PermissionDeniedError unless `engine_overrides` is on or a runtime-added model's engine settings
+        keep the service's vLLM interpreter, tuning arguments only, and no remote images."""
         if not self.engine_overrides:
-            _check_tuning_only(spec.engine.vllm)
-            _check_no_image_fetches(spec.engine.image_url_allowlist)
-        return carrying(spec, None if self._every_path() else self)
+            _check_tuning_only(vllm_python, vllm_engine_args)
+            _check_no_image_fetches(image_allowlist)
 
     def check(self, which: AnyWhich) -> None:
         """Raise PermissionDeniedError unless every location `which` names is allowed."""
@@ -115,7 +111,7 @@ class SourcePolicy(BaseModel):
     def _check_local(self, location: str, param: str) -> None:
         """Inside a root both as written and with its links resolved. Nothing outside the roots is looked at, so the
         answer is the same whether something exists there or not."""
-        if self._every_path():
+        if self.every_path():
             return
         if ".." in Path(location).parts:
             raise PermissionDeniedError(f"`{location}`: a path added at runtime may not contain `..`", param=param)
@@ -124,13 +120,8 @@ class SourcePolicy(BaseModel):
                 f"`{location}` is outside the local folders this service loads from "
                 f"({_listed(self.local_roots)}; the router's `sources.local_roots`)", param=param)
 
-    def _every_path(self) -> bool:
+    def every_path(self) -> bool:
         return any(os.path.normpath(os.path.expanduser(root)) == "/" for root in self.local_roots)
-
-
-def carrying(spec: ModelSpec, policy: SourcePolicy | None) -> ModelSpec:
-    """`spec` with `policy` as its `engine.sources`."""
-    return spec.model_copy(update={"engine": spec.engine.model_copy(update={"sources": policy})})
 
 
 def _check_no_image_fetches(allowlist: list[str]) -> None:
@@ -142,13 +133,13 @@ def _check_no_image_fetches(allowlist: list[str]) -> None:
                                     param="engine.image_url_allowlist")
 
 
-def _check_tuning_only(settings: VllmSettings) -> None:
+def _check_tuning_only(python: str | None, engine_args: dict[str, Any]) -> None:
     """The vllm backend's settings of a model added at runtime: the service's interpreter, tuning arguments only."""
-    if settings.python is not None:
+    if python is not None:
         raise PermissionDeniedError("engine.vllm.python: a model added at runtime runs the service's vLLM "
                                     "interpreter (the router's `sources.engine_overrides` allows others)",
                                     param="engine.vllm.python")
-    for key in settings.engine_args:
+    for key in engine_args:
         if key not in TUNING_ENGINE_ARGS:
             raise PermissionDeniedError(
                 f"engine.vllm.engine_args: `{key}` is not one of the tuning arguments a model added at runtime may "

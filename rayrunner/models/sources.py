@@ -15,15 +15,19 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from filelock import FileLock
 
 from rayrunner.errors import InvalidSpecError, ModelLoadError
 from rayrunner.models.load_progress import LoadProgress
+from rayrunner.runtime.cache_dir import cache_dir
 
-if TYPE_CHECKING:
-    from rayrunner.models.source_policy import SourcePolicy
+
+class ReadCheck(Protocol):
+    """What `resolve` asks before it reads (`rayrunner.models.source_policy.SourcePolicy`)."""
+
+    def check_read(self, location: str, gguf_file: str | None, hf_cache_path: str | None) -> None: ...
 
 SMOLLM2 = "smollm2-135m-instruct"
 MINILM = "all-minilm-l6-v2"
@@ -39,12 +43,6 @@ class ResolvedSource:
 
     path: str
     gguf_file: str | None = None
-
-
-def cache_dir() -> Path:
-    """rayrunner's own cache (converted builtin models): `$RAYRUNNER_CACHE_DIR` or `~/.cache/rayrunner`."""
-    root = os.environ.get("RAYRUNNER_CACHE_DIR") or os.path.join(Path.home(), ".cache", "rayrunner")
-    return Path(root)
 
 
 def _package_dir(package: str, install_hint: str) -> Path:
@@ -104,7 +102,7 @@ def is_hub_id(location: str) -> bool:
 
 def resolve(
     location: str, gguf_file: str | None = None, revision: str | None = None, hf_cache_path: str | None = None,
-    progress: LoadProgress | None = None, policy: SourcePolicy | None = None,
+    progress: LoadProgress | None = None, policy: ReadCheck | None = None,
 ) -> ResolvedSource:
     """A local folder for `location`: builtin name, folder, `.gguf` file path, or hub id (in that order).
     `progress` hears of a conversion or a download. Under a `policy` (checked here again, on the node that reads),

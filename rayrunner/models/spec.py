@@ -15,11 +15,12 @@ from rayrunner.errors import InvalidSpecError
 from rayrunner.models.replicas import Replicas
 from rayrunner.models.source_policy import SourcePolicy
 from rayrunner.models.which import Which, WhichSpec
-from rayrunner.protocol import DEFAULT_MODEL
+
+DEFAULT_MODEL = "default"  # the alias every request may name for the default model; never a model's id
 
 
 class VllmSettings(BaseModel):
-    """How the `vllm` backend runs its engine (`rayrunner.deployments.vllm_engine`)."""
+    """How the `vllm` backend runs its engine (`rayrunner.engines.vllm.engine`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -66,7 +67,7 @@ class EngineSettings(Replicas):
                             "model spread over them (transformers: layers by `device_map`; vllm: tensor parallel).")
     num_cpus: float = Field(
         0.125, ge=0, description="CPUs reserved by each replica (fractional is fine). A placement slot, not a core: "
-        "the busy engines share the node's cores at run time (`deployments.step.core_share`), and a sleeping "
+        "the busy engines share the node's cores at run time (`runtime.core_share`), and a sleeping "
         "replica keeps its reservation, so the default lets a 2-core node hold 15 model replicas, loaded or asleep; "
         "what bounds them is memory (`max_loaded_models`, `max_loaded_bytes`, `max_asleep_models`).")
     accelerator_type: str | None = Field(
@@ -79,7 +80,7 @@ class EngineSettings(Replicas):
     )
     torch_threads: int | None = Field(
         None, ge=1, description="Most torch intra-op threads (default: the replica's share of the node's cores, "
-        "divided among the engines busy right now; see `deployments.core_share`)."
+        "divided among the engines busy right now; see `runtime.core_share`)."
     )
     max_num_seqs: int = Field(32, ge=1, description="Most sequences decoded together in one step.")
     max_queued_requests: int = Field(
@@ -238,6 +239,19 @@ class ModelSpec(BaseModel):
     def app_name(self) -> str:
         """Serve application name: readable, unique per id, and safe in URLs."""
         return model_app_name(self.model_id)
+
+    def confined(self, policy: SourcePolicy) -> ModelSpec:
+        """This spec of a model added at runtime, checked against `policy` (403 for what it does not allow), carrying
+        it in `engine.sources` (whatever the caller put there) for the replicas to check again, or carrying none
+        when it allows every path."""
+        policy.check(self.which)
+        vllm = self.engine.vllm
+        policy.check_engine(vllm.python, vllm.engine_args, self.engine.image_url_allowlist)
+        return self.carrying(None if policy.every_path() else policy)
+
+    def carrying(self, policy: SourcePolicy | None) -> ModelSpec:
+        """This spec with `policy` as its `engine.sources`."""
+        return self.model_copy(update={"engine": self.engine.model_copy(update={"sources": policy})})
 
 
 def model_app_name(model_id: str) -> str:

@@ -50,10 +50,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from rayrunner.models.sources import cache_dir
 from rayrunner.quantization.int8_rows import Int8Linear
 from rayrunner.quantization.tied_embedding import Int8Embedding, Int8LMHead, Int8Table
 from rayrunner.quantization.weights import load_tensors, save_tensors
+from rayrunner.runtime.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -261,10 +261,12 @@ def _registered(name: str) -> type | None:
 
 
 def _tensor_class(name: Any) -> Any:
-    """A registered tensor subclass (see `_registered`); rayrunner's torchao formats are imported first if needed."""
+    """A registered tensor subclass (see `_registered`); torchao's formats are imported first if needed."""
     kind = _registered(str(name))
     if kind is None:
-        import rayrunner.quantization.torchao_backend  # noqa: F401  (torchao registers its classes on import)
+        # torchao registers its tensor classes as its modules are imported (those rayrunner's formats use)
+        import torchao.prototype.quantization.int4.inference_workflow  # noqa: F401
+        import torchao.quantization  # noqa: F401
 
         kind = _registered(str(name))
     if kind is None or not issubclass(kind, torch.Tensor) or not hasattr(kind, "__tensor_unflatten__"):

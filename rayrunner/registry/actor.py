@@ -11,7 +11,7 @@ against what Serve is actually running. Every saved change also bumps a version 
 (`routing_table`), so they route without asking the registry per request.
 
 Capacity (`max_loaded_models`, `max_loaded_bytes`) is made before a load by evicting idle models (see
-`rayrunner.registry.capacity`); an idle-timer task unloads models whose `keep_alive` ran out. Both know use from
+`rayrunner.registry.eviction_rules`); an idle-timer task unloads models whose `keep_alive` ran out. Both know use from
 the routers' batched `report_usage` calls: each router replica counts its open requests per model and sends its
 counts and last-use times at most every half second, never per request.
 """
@@ -41,17 +41,16 @@ from rayrunner.errors import (
     unwrap,
 )
 from rayrunner.models import load_progress
-from rayrunner.models.source_policy import carrying
-from rayrunner.models.sources import cache_dir
 from rayrunner.models.spec import ModelSpec
-from rayrunner.registry.capacity import InFlightBook
 from rayrunner.registry.config import RegistryConfig
-from rayrunner.registry.eviction import CapacityMixin
+from rayrunner.registry.eviction_rules import InFlightBook
+from rayrunner.registry.evictor import CapacityMixin
 from rayrunner.registry.lifecycle import PHASES, Phase
 from rayrunner.registry.model_apps import ModelApps, ServeModelApps
 from rayrunner.registry.replica_watch import watch_replicas
 from rayrunner.registry.state import ModelEntry, ModelRecord, RegistryState, UnloadMode
 from rayrunner.runtime import logs, metrics
+from rayrunner.runtime.cache_dir import cache_dir
 
 REGISTRY_NAME = "rayrunner-registry"
 NAMESPACE = "rayrunner"
@@ -92,7 +91,7 @@ class Registry(CapacityMixin):
         every model against Serve. Returns what changed, as logged."""
         self.config = RegistryConfig.model_validate(config)
         self.state.settings = self.config.model_dump(mode="json", exclude={"models", "default_model", "auth"})
-        changes = self.state.apply_config(self.config)
+        changes = self.state.apply_config(self.config.models, self.config.default_model)
         for line in changes.log:
             logger.info("config: %s", line)
         self._persist()
@@ -279,12 +278,12 @@ class Registry(CapacityMixin):
         if model_id in self.state.models:
             self._changeable(model_id)
             registered = self.state.models[model_id].spec.engine.sources  # set by the registry, never by a caller
-            self.state.attach(carrying(parsed.spec, registered), parsed.aliases).configure(parsed)
+            self.state.attach(parsed.spec.carrying(registered), parsed.aliases).configure(parsed)
             self._persist()
             if parsed.load:
                 await self.ensure_loaded(model_id)
             return {**self._card(model_id), "attached": True}
-        spec = self.config.sources.confine(parsed.spec)  # a new model added at runtime: allowed sources and settings
+        spec = parsed.spec.confined(self.config.sources)  # a new model added at runtime: allowed sources and settings
         self.state.check_new(model_id, parsed.aliases)
         record = self.state.add(spec, parsed.aliases)
         record.configure(parsed)

@@ -24,10 +24,10 @@ from typing import Any, Literal, Protocol
 import httpx
 from ray import serve
 
-from rayrunner.deployments.model_server import DEPLOYMENT, model_deployment
 from rayrunner.errors import ModelLoadError, ModelTimeoutError
 from rayrunner.models.spec import ModelSpec
 from rayrunner.registry.placement import check_placeable, missing, replica_demand
+from rayrunner.replica.model_server import DEPLOYMENT, model_deployment
 from rayrunner.runtime import ray_private
 from rayrunner.runtime.warm_workers import SPARE_DELAY_S, WarmSpares
 

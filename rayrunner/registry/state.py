@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -25,13 +25,9 @@ from rayrunner.errors import (
     SpecMismatchError,
 )
 from rayrunner.models.keep_alive import KeepAlive, checked_keep_alive
-from rayrunner.models.spec import ModelSpec
+from rayrunner.models.spec import DEFAULT_MODEL, ModelSpec
 from rayrunner.models.which import Lora, Plain
-from rayrunner.protocol import DEFAULT_MODEL
 from rayrunner.registry.lifecycle import STATUS, Phase, Status, UnloadMode, check_move, phase_of, unload_mode
-
-if TYPE_CHECKING:
-    from rayrunner.registry.config import RegistryConfig
 
 
 def spec_differences(old: ModelSpec, new: ModelSpec) -> list[str]:
@@ -285,13 +281,13 @@ class RegistryState(BaseModel):
         self.default_id = self.resolve(name)
         return self.default_id
 
-    def apply_config(self, config: RegistryConfig) -> ConfigChanges:
-        """Make the config the source of truth for what it declares: its models' specs (new ones are registered,
-        changed ones replaced), their aliases (added where free), and the default and each model's `pinned` when
-        the config's own value changed since the last config. Models and aliases added at runtime, and a runtime
-        default or pin, are kept."""
+    def apply_config(self, models: list[ModelEntry], default_model: str | None) -> ConfigChanges:
+        """Make a config's `models` and `default_model` the source of truth for what they declare: the models' specs
+        (new ones are registered, changed ones replaced), their aliases (added where free), and the default and each
+        model's `pinned` when the config's own value changed since the last config. Models and aliases added at
+        runtime, and a runtime default or pin, are kept."""
         changes = ConfigChanges()
-        for entry in config.models:
+        for entry in models:
             model_id = entry.spec.model_id
             if model_id not in self.models:
                 self.check_new(model_id, entry.aliases)
@@ -314,7 +310,7 @@ class RegistryState(BaseModel):
                         changes.log.append(f"model `{model_id}`: alias `{alias}` added by the config")
                 except AliasConflictError as exc:
                     changes.log.append(f"model `{model_id}`: config alias `{alias}` not added: {exc.message}")
-        declared = config.default_model or next((e.spec.model_id for e in config.models), None)
+        declared = default_model or next((e.spec.model_id for e in models), None)
         if declared != self.config_default:
             if declared is not None:
                 self.set_default(declared)

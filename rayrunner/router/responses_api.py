@@ -18,7 +18,8 @@ from pydantic import BaseModel, Discriminator, Field, Tag, ValidationInfo, field
 from pydantic_core import PydanticCustomError
 
 from rayrunner.errors import client_error
-from rayrunner.protocol import DEFAULT_MODEL, MAX_TOP_LOGPROBS, KeepAliveField, ReasoningEffort, StructuredOutputOptions
+from rayrunner.models.spec import DEFAULT_MODEL
+from rayrunner.protocol import MAX_TOP_LOGPROBS, KeepAliveField, ReasoningEffort, StructuredOutputOptions
 
 
 def _new_id(prefix: str) -> str:

@@ -39,8 +39,8 @@ MODULES = (
     "transformers.generation",
     "transformers.masking_utils",
     "transformers.models.llama.modeling_llama",  # the builtin model's architecture, and many others'
-    "rayrunner.deployments.model_server",
-    "rayrunner.deployments.text_engine",
+    "rayrunner.replica.model_server",
+    "rayrunner.engines.transformers.text",
 )
 
 IMPORT_NICENESS = 10

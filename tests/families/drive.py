@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from rayrunner.deployments.sampling_params import SamplingParams
-from rayrunner.deployments.step.detokenizer import Detokenizer
-from rayrunner.deployments.step.fast_decode import FastDecode
-from rayrunner.deployments.step.lora import LoraAdapters
-from rayrunner.deployments.step.scheduler import SchedulerLimits, StepScheduler
-from rayrunner.deployments.step.sequence import Sequence
+from rayrunner.engines.detokenizer import Detokenizer
+from rayrunner.engines.lora import LoraAdapters
+from rayrunner.engines.transformers.step.fast_decode import FastDecode
+from rayrunner.engines.transformers.step.scheduler import SchedulerLimits, StepScheduler
+from rayrunner.engines.transformers.step.sequence import Sequence
+from rayrunner.openai.sampling_params import SamplingParams
 from tests.families.tiny_families import VOCAB
 
 TOKENS = 10

@@ -14,7 +14,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from rayrunner.deployments.step.lora import LoraAdapters
+from rayrunner.engines.lora import LoraAdapters
 from tests.families.drive import generate, prompts, replies
 from tests.families.tiny_families import FAMILIES, build
 

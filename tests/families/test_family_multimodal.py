@@ -19,11 +19,11 @@ import pytest
 import torch
 from PIL import Image
 
-from rayrunner.deployments.loading import check_positions
-from rayrunner.deployments.multimodal_engine import MultimodalEngine, to_conversation
-from rayrunner.deployments.sampling_params import SamplingParams
+from rayrunner.engines.loading import check_positions
+from rayrunner.engines.transformers.multimodal import MultimodalEngine, to_conversation
 from rayrunner.errors import InvalidSpecError, ModelLoadError
 from rayrunner.models.spec import build_spec
+from rayrunner.openai.sampling_params import SamplingParams
 from rayrunner.protocol import ChatCompletionRequest
 from tests.families import tiny_multimodal
 from tests.tiny_models import image_data_url

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from rayrunner.deployments.chat_prompt import render_chat, supports_tools
-from rayrunner.deployments.tool_calls import ToolFormat, markers, parse_tool_calls, tool_format
 from rayrunner.errors import InvalidRequestError
 from rayrunner.models.sources import SMOLLM2, resolve
+from rayrunner.openai.chat_prompt import render_chat, supports_tools
+from rayrunner.openai.tool_calls import ToolFormat, markers, parse_tool_calls, tool_format
 from rayrunner.protocol import ChatMessage, Tool
 from tests.families.tiny_families import FAMILIES
 

@@ -36,8 +36,8 @@ def replica_info(model: str) -> dict[str, Any]:
     """The info of the model's current replica (asked of the replica itself: after a restart the card is stale)."""
     from ray import serve
 
-    from rayrunner.deployments.model_server import DEPLOYMENT
     from rayrunner.models.spec import model_app_name
+    from rayrunner.replica.model_server import DEPLOYMENT
 
     handle = serve.get_deployment_handle(DEPLOYMENT, app_name=model_app_name(model))
     info: dict[str, Any] = handle.info.remote().result()
@@ -98,7 +98,7 @@ def test_full_queue_answers_429_with_retry_after(service: Service) -> None:
 def test_two_busy_replicas_share_the_cores_instead_of_each_taking_all(service: Service) -> None:
     """Two models decoding at once on one node: their engines' torch threads add up to at most the node's cores
     (each took every core before, and their OpenMP workers fought over them)."""
-    from rayrunner.deployments.step.core_share import node_cores
+    from rayrunner.runtime.core_share import node_cores
 
     cores = node_cores()
     with ThreadPoolExecutor(2) as pool:

@@ -96,7 +96,7 @@ def admin(service: Service, path: str, **body: Any) -> Any:
 def test_model_replica_killed_mid_stream(service: Service) -> None:
     import ray
 
-    from rayrunner.deployments.model_server import DEPLOYMENT
+    from rayrunner.replica.model_server import DEPLOYMENT
 
     assert answers(service, "fa")  # loaded and warm
     victim = replica_actor("fault-a", DEPLOYMENT)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from ray import serve
 
-from rayrunner.deployments.model_server import DEPLOYMENT
+from rayrunner.replica.model_server import DEPLOYMENT
 from tests.conftest import Service, model_entry
 
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 1,

@@ -13,9 +13,9 @@ import psutil
 import pytest
 from ray import serve
 
-from rayrunner.deployments.model_server import DEPLOYMENT
-from rayrunner.models.sources import cache_dir
 from rayrunner.models.spec import model_app_name
+from rayrunner.replica.model_server import DEPLOYMENT
+from rayrunner.runtime.cache_dir import cache_dir
 from rayrunner.runtime.warm_workers import SPARE_DELAY_S
 from tests.conftest import Service, model_entry
 
@@ -61,7 +61,7 @@ def test_reload_wakes_and_stop_ends_a_sleeping_model(service: Service) -> None:
     assert awake_pid(service, service.card("napper")) == pid  # the same process, woken
     assert unload(service, "sleep").status_code == 200
     parked = cache_dir() / "parked" / f"{socket.gethostname()}-{pid}-napper.safetensors"
-    assert parked.is_file()  # the weights wait on disk (rayrunner.deployments.parked_weights)
+    assert parked.is_file()  # the weights wait on disk (rayrunner.engines.parked_weights)
     stopped = unload(service, "stop")  # a sleeping model may still be stopped: its replica goes
     assert stopped.status_code == 200 and stopped.json() == {"model_id": "napper", "status": "unloaded"}
     assert service.card("napper")["unload_mode"] == "stop" and service.card("napper")["held_bytes"] is None

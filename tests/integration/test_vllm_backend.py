@@ -110,9 +110,9 @@ def test_the_card_says_vllm(service: Service) -> None:
 def test_greedy_equals_rayrunners_own_engine_token_for_token(service: Service) -> None:
     import asyncio
 
-    from rayrunner.deployments.sampling_params import sampling_params
-    from rayrunner.deployments.text_engine import TextEngine
+    from rayrunner.engines.transformers.text import TextEngine
     from rayrunner.models.spec import build_spec
+    from rayrunner.openai.sampling_params import sampling_params
     from rayrunner.protocol import ChatCompletionRequest
 
     engine = TextEngine(build_spec("own", SPEC["which"]))
@@ -135,9 +135,9 @@ def own_reply(which: dict[str, Any], content: str) -> str:
     """rayrunner's own engine's greedy reply, in this process."""
     import asyncio
 
-    from rayrunner.deployments.sampling_params import sampling_params
-    from rayrunner.deployments.text_engine import TextEngine
+    from rayrunner.engines.transformers.text import TextEngine
     from rayrunner.models.spec import build_spec
+    from rayrunner.openai.sampling_params import sampling_params
     from rayrunner.protocol import ChatCompletionRequest
 
     engine = TextEngine(build_spec("own", which))

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from rayrunner.deployments.multimodal_engine import MultimodalEngine
-from rayrunner.deployments.sampling_params import SamplingParams
+from rayrunner.engines.transformers.multimodal import MultimodalEngine
 from rayrunner.models.spec import build_spec
+from rayrunner.openai.sampling_params import SamplingParams
 from rayrunner.protocol import ChatCompletionRequest
 from tests.tiny_models import ODD_HEAD_SIZE, build_tiny_llava_odd_head, image_data_url
 

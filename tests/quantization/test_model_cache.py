@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
-from rayrunner.deployments.loading import Loaded, load_model
+from rayrunner.engines.loading import Loaded, load_model
 from rayrunner.models.spec import build_spec
 from rayrunner.quantization import model_cache
 from rayrunner.quantization.int8_rows import Int8Linear

@@ -8,8 +8,8 @@ import typing
 
 import pytest
 
-from rayrunner.deployments.model_server import ModelServer
 from rayrunner.registry.actor import Registry
+from rayrunner.replica.model_server import ModelServer
 from rayrunner.router.service import ModelCall, ModelStream, RegistryCall
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rayrunner.deployments.loading import load_model
+from rayrunner.engines.loading import load_model
 from rayrunner.models.sources import SMOLLM2, resolve
 from rayrunner.models.spec import build_spec
 from tests.conftest import Service
@@ -75,7 +75,7 @@ def test_greedy_logprobs_are_the_models(client: openai.OpenAI) -> None:
     prompt_only, plain = _plain_logprobs(ids[:start], ids)
     # The first token comes from the prefill: this same forward pass over the prompt. Later ones come from cached
     # decode steps, whose bf16 rounding differs slightly from recomputing the whole sequence (measured: up to
-    # 0.005; 1e-3 in float32, see tests/deployments/test_choices_and_logprobs.py).
+    # 0.005; 1e-3 in float32, see tests/engines/test_choices_and_logprobs.py).
     assert abs(entries[0].logprob - float(prompt_only[-1, ids[start]])) < 1e-3
     for step, entry in enumerate(entries[1:], start=1):
         assert abs(entry.logprob - float(plain[start + step - 1, ids[start + step]])) < 0.01
@@ -112,7 +112,7 @@ def test_sampled_json_schema_replies_all_validate(client: openai.OpenAI) -> None
         assert reply.choices[0].finish_reason == "stop"
         return reply.choices[0].message.content or ""
 
-    with ThreadPoolExecutor(6) as pool:  # many more samples in process: deployments/test_constrained.py
+    with ThreadPoolExecutor(6) as pool:  # many more samples in process: engines/test_constrained.py
         replies = list(pool.map(ask, range(6)))
     for text in replies:
         jsonschema.validate(json.loads(text), PERSON)

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 from ray import serve
 
-from rayrunner.deployments.model_server import DEPLOYMENT
+from rayrunner.replica.model_server import DEPLOYMENT
 from tests.conftest import Service
 
 MODEL = "smollm2-135m-instruct"

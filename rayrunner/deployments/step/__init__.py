@@ -1,1 +1,0 @@
-"""The engine's step loop: scheduler, sequences, KV batch, sampling, decoding."""

@@ -1,0 +1,192 @@
+"""The decode step of Llama-family models (Llama, Mistral, Qwen2, Qwen3, and the language model of a multimodal one
+such as LLaVA) in fewer, cheaper tensor operations than transformers' forward, on the same weights and the same
+`BatchCache`.
+
+A decode step feeds one token per row. For a small model eager PyTorch spends about as long dispatching the many
+small operations of transformers' forward as on the matmuls themselves, so this step keeps the arithmetic and trims
+the operations around it:
+- hidden states stay [rows, hidden] (no sequence dimension to view, transpose and copy);
+- int8 weights (`Int8Linear`) of a layer's q/k/v and of its gate/up share one tensor each (`share_storage`: views,
+  no second copy), so a layer takes 4 int8 kernel calls instead of 7, made directly for a few bf16 rows;
+- RMSNorm inlined with transformers' operations (float32, in place where they allocate a scratch tensor);
+- RoPE on the query and key heads at once: one `addcmul` of the heads and their halves swapped (`roll`) against a
+  sine whose first half is negated;
+- keys and values appended into room reserved in the `BatchCache` (`append`), not concatenated;
+- attention as two matmuls and a softmax over the GQA groups, without repeating the key/value heads (cheaper on CPU
+  than `scaled_dot_product_attention` for one query token per row). Up to `FLOAT32_ATTENTION_MAX` cached positions
+  over all rows it computes in float32, past that in the model's dtype, where converting the cache would cost more
+  than it saves; on a CPU without a native bf16 GEMM (`cpu_gemm`) always in float32.
+
+Prefill (images included), LoRA adapters (peft replaces the Linears), and other architectures keep transformers'
+forward: `FastDecode.for_model` says None for a model whose decoder layers it does not cover. What this step gains,
+and what was tried and left out, is in docs/performance.md ("Decode").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from rayrunner.engines.transformers.kv.kv_batch import BatchCache, layer_windows, mergeable
+from rayrunner.quantization.cpu_gemm import wide_dtype
+from rayrunner.quantization.int8_rows import KERNEL_IN_MULTIPLE, KERNEL_MAX_ROWS, Int8Linear, int8_matmul, share_storage
+
+DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoderLayer", "Qwen2DecoderLayer",
+                            "Qwen3DecoderLayer"})
+FLOAT32_ATTENTION_MAX = 2048  # cached positions over all rows up to which attention runs in float32 (see above)
+QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+SHARED_QDATA, SHARED_SCALE = "shared_qdata", "shared_scale"  # buffers of an attention or MLP module (see above)
+_INT8_KERNEL = torch.ops.aten._weight_int8pack_mm
+
+
+class FastDecode:
+    """One decode step of a supported model: `step(ids, batch)` gives the logits [rows, 1, vocab] and appends the
+    step's keys and values to the batch's cache, as the model's own forward would (`BatchCache.append`)."""
+
+    def __init__(self, decoder: Any, lm_head: Any, config: Any) -> None:
+        self.decoder, self.lm_head = decoder, lm_head
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.intermediate = int(config.intermediate_size)
+        for layer in decoder.layers:
+            _share(layer.self_attn, QKV)
+            _share(layer.mlp, GATE_UP)
+        self.layers = [_Layer(layer) for layer in decoder.layers[: config.num_hidden_layers]]
+        self.windows = layer_windows(config)
+
+    @classmethod
+    def for_model(cls, model: Any) -> FastDecode | None:
+        """A `FastDecode` for `model` (a causal LM, or a multimodal one's language model), or None when its layers
+        are not the ones covered."""
+        try:
+            decoder, lm_head = model.get_decoder(), model.get_output_embeddings()
+        except (AttributeError, NotImplementedError):  # not a transformers model with a decoder and a head
+            return None
+        if lm_head is None or not mergeable(model.config):
+            return None
+        if any(module._forward_hooks or module._forward_pre_hooks for module in model.modules()):
+            return None  # e.g. accelerate's offload hooks: the forward does more than the module's own
+        layers = getattr(decoder, "layers", None)
+        if not layers or not all(type(layer).__name__ in DECODER_LAYERS for layer in layers):
+            return None
+        norms = [decoder.norm, *(norm for layer in layers for norm in (layer.input_layernorm,
+                                                                       layer.post_attention_layernorm))]
+        if not all(_is_rms_norm(norm) for norm in norms) or not hasattr(decoder, "rotary_emb"):
+            return None
+        return cls(decoder, lm_head, model.config.get_text_config())
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor, batch: BatchCache) -> torch.Tensor:
+        """Feed `ids` [rows, 1], one token per row of `batch`, and append their keys and values to it."""
+        mask, positions = batch.mask_with(1), batch.next_positions()
+        hidden = self.decoder.embed_tokens.forward(ids[:, 0])  # [rows, hidden]: one position per row throughout
+        cos, sin = self.decoder.rotary_emb.forward(hidden, positions)  # [rows, 1, head_dim]
+        half = self.head_dim // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        biases: dict[int | None, torch.Tensor] = {}  # by window: the same for every layer of one kind
+        kernel = hidden.dtype == torch.bfloat16 and ids.shape[0] <= KERNEL_MAX_ROWS
+        rows, heads, kv_heads, dim = ids.shape[0], self.heads, self.kv_heads, self.head_dim
+        for index, layer in enumerate(self.layers):
+            qkv = _projections(layer.attention, QKV, _rms_norm(layer.input_norm, hidden), kernel)
+            qkv = qkv.view(rows, heads + 2 * kv_heads, dim)
+            both = qkv[:, : heads + kv_heads] if layer.q_norm is None else torch.cat(
+                [_rms_norm(layer.q_norm, qkv[:, :heads]), _rms_norm(layer.k_norm, qkv[:, heads: heads + kv_heads])],
+                dim=1)
+            both = torch.addcmul(both * cos, both.roll(half, dims=-1), sin)  # [rows, heads + kv_heads, head_dim]
+            keys, values = batch.append(index, both[:, heads:, None], qkv[:, heads + kv_heads:, None])
+            window = self.windows[index]
+            bias = biases.get(window)
+            if bias is None or bias.shape[-1] != keys.shape[2]:
+                bias = biases[window] = _attention_bias(mask, keys.shape[2], window)
+            out = _grouped_attention(both[:, :heads].reshape(rows, kv_heads, -1, dim), keys, values, bias,
+                                     layer.scaling)
+            hidden += _linear(layer.o_proj, out.view(rows, -1), kernel)
+            gate_up = _projections(layer.mlp, GATE_UP, _rms_norm(layer.post_norm, hidden), kernel)
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            hidden += _linear(layer.down_proj, layer.act(gate).mul_(up), kernel)
+        batch.grew(mask)
+        return self.lm_head.forward(_rms_norm(self.decoder.norm, hidden))[:, None]
+
+
+class _Layer:
+    """A decoder layer's modules, looked up once (their tensors are read at every step: a sleep swaps them)."""
+
+    def __init__(self, layer: Any) -> None:
+        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.attention, self.o_proj, self.scaling = layer.self_attn, layer.self_attn.o_proj, layer.self_attn.scaling
+        self.mlp, self.down_proj, self.act = layer.mlp, layer.mlp.down_proj, layer.mlp.act_fn
+        self.q_norm, self.k_norm = getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)
+
+
+def _share(owner: nn.Module, names: tuple[str, ...]) -> None:
+    """Give `owner` one shared int8 tensor for its Linears `names` when all are `Int8Linear`s that can share."""
+    linears = [getattr(owner, name) for name in names]
+    if SHARED_QDATA in owner._buffers or not all(type(linear) is Int8Linear for linear in linears):
+        return
+    shared = share_storage(linears)
+    if shared is not None and shared[0].shape[1] % KERNEL_IN_MULTIPLE == 0:
+        owner.register_buffer(SHARED_QDATA, shared[0], persistent=False)
+        owner.register_buffer(SHARED_SCALE, shared[1], persistent=False)
+
+
+def _projections(owner: nn.Module, names: tuple[str, ...], hidden: torch.Tensor, kernel: bool) -> torch.Tensor:
+    """The outputs of `owner`'s Linears `names` on `hidden`, side by side: one call where they share a tensor."""
+    buffers = owner._buffers
+    qdata = buffers.get(SHARED_QDATA)
+    if qdata is None:
+        return torch.cat([_linear(getattr(owner, name), hidden, kernel) for name in names], dim=-1)
+    scale = buffers[SHARED_SCALE]
+    assert scale is not None
+    return _INT8_KERNEL(hidden, qdata, scale) if kernel else int8_matmul(hidden, qdata, scale)
+
+
+def _linear(module: Any, hidden: torch.Tensor, kernel: bool) -> torch.Tensor:
+    """`module` on `hidden`; an `Int8Linear` without bias straight through the int8 kernel when `kernel` (a few bf16
+    rows)."""
+    if kernel and type(module) is Int8Linear and module.bias is None and module.in_features % KERNEL_IN_MULTIPLE == 0:
+        return _INT8_KERNEL(hidden, module.qdata, module.scale)
+    return module.forward(hidden)
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    """transformers' Llama-style RMSNorm (weight times the normalised input, no offset)."""
+    name = type(module).__name__
+    return name.endswith("RMSNorm") and not name.startswith("Gemma") and hasattr(module, "variance_epsilon")
+
+
+def _rms_norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """transformers' `LlamaRMSNorm.forward`, operation for operation (`values` is `hidden` itself in float32)."""
+    values = hidden.to(torch.float32)
+    scale = values.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon).rsqrt_()
+    return norm.weight * (values * scale).to(hidden.dtype)
+
+
+def _attention_bias(mask: torch.Tensor, capacity: int, window: int | None = None) -> torch.Tensor:
+    """An additive float32 bias [rows, 1, 1, capacity] hiding left padding, the room past the cached positions and,
+    for a sliding-window layer, the positions `window` or more before the new one (transformers' sliding mask)."""
+    bias = torch.full((mask.shape[0], capacity), float("-inf"), dtype=torch.float32, device=mask.device)
+    bias[:, : mask.shape[1]].masked_fill_(mask != 0, 0.0)
+    if window is not None:
+        bias[:, : max(mask.shape[1] - window, 0)] = float("-inf")
+    return bias[:, None, None]
+
+
+def _grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                       scaling: float) -> torch.Tensor:
+    """Attention of one new position per row: `query` [rows, kv_heads, group, dim] over `keys`/`values`
+    [rows, kv_heads, capacity, dim], with `bias` hiding what is not attended; the output [rows, kv_heads, group, dim]
+    in the query's dtype."""
+    dtype = query.dtype
+    in_float32 = (dtype == torch.float32 or keys.shape[0] * keys.shape[2] <= FLOAT32_ATTENTION_MAX
+                  or (keys.device.type == "cpu" and wide_dtype(dtype) == torch.float32))
+    if in_float32 and dtype != torch.float32:
+        query, keys, values = query.float(), keys.float(), values.float()
+    scores = torch.matmul(query, keys.transpose(-1, -2))
+    scores = scores.mul_(scaling) if in_float32 else scores.float().mul_(scaling)
+    scores += bias
+    weights = scores.softmax(dim=-1)
+    out = torch.matmul(weights if in_float32 else weights.to(dtype), values)
+    return out if out.dtype == dtype else out.to(dtype)

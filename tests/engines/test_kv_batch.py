@@ -1,0 +1,68 @@
+"""`BatchCache.append`: positions written into reserved room hold what concatenating would, across merges and
+dropped rows, the room past them is zeros, and a long generation reallocates only a few times."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig
+
+from rayrunner.engines.transformers.kv.kv_batch import BatchCache, new_cache
+
+CONFIG = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _filled(rows: int, length: int, seed: int) -> BatchCache:
+    """A batch whose layers hold `length` random positions per row (as a prefill leaves them)."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = BatchCache(new_cache(CONFIG), torch.ones((rows, length), dtype=torch.long))
+    for layer in range(CONFIG.num_hidden_layers):
+        keys, values = (torch.randn(rows, 2, length, 8, generator=generator) for _ in range(2))
+        batch.cache.update(keys, values, layer)
+    return batch
+
+
+def _check(batch: BatchCache, layer: int, room: tuple[torch.Tensor, torch.Tensor],
+           want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """The layer's cache is `want`, and `room` holds it followed by zeros."""
+    cached = batch.cache.layers[layer]
+    length = want[0].shape[2]
+    for mine, theirs, reserved in ((cached.keys, want[0], room[0]), (cached.values, want[1], room[1])):
+        assert torch.equal(mine, theirs)
+        assert torch.equal(reserved[:, :, :length], theirs) and not reserved[:, :, length:].any()
+
+
+def _position(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 2, 1, 8, generator=generator), torch.randn(rows, 2, 1, 8, generator=generator)
+
+
+def test_appends_hold_what_concatenating_holds_with_few_reallocations() -> None:
+    batch, twin = _filled(3, 5, seed=0), _filled(3, 5, seed=0)
+    places = set()
+    for step in range(200):
+        keys, values = _position(3, seed=step)
+        for layer in range(CONFIG.num_hidden_layers):
+            room = batch.append(layer, keys, values)
+            _check(batch, layer, room, twin.cache.update(keys, values, layer))
+        places.add(batch.cache.layers[0].keys.data_ptr())
+    assert len(places) <= 20  # room grows by an eighth: 205 positions in a handful of tensors, not 200
+
+
+def test_appends_after_a_merge_and_a_dropped_row() -> None:
+    batch, twin = _filled(2, 4, seed=1), _filled(2, 4, seed=1)
+    for step in range(3):
+        keys, values = _position(2, seed=10 + step)
+        batch.append(0, keys, values)
+        twin.cache.update(keys, values, 0)
+        batch.append(1, keys, values)
+        twin.cache.update(keys, values, 1)
+    batch.grew(batch.mask_with(3))
+    twin.grew(twin.mask_with(3))
+    batch.merge(_filled(1, 2, seed=2))  # a shorter row joins: padded on the left
+    twin.merge(_filled(1, 2, seed=2))
+    batch.keep([0, 2])
+    twin.keep([0, 2])
+    keys, values = _position(2, seed=99)
+    for layer in range(CONFIG.num_hidden_layers):
+        room = batch.append(layer, keys, values)
+        _check(batch, layer, room, twin.cache.update(keys, values, layer))
