@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,8 +49,25 @@ def test_a_deployment_still_takes_its_code_version_internally() -> None:
     """`model_deployment` deploys a rescale as the running version: `options(version=..., _internal=True)`."""
     from ray import serve
 
-    deployment = serve.deployment(name="d")(lambda: None).options(version="v1", _internal=True)
+    deployment = ray_private.with_code_version(serve.deployment(name="d")(lambda: None), "v1")
     assert deployment.version == "v1"
+
+
+def test_outside_a_request_serve_has_no_request_id() -> None:
+    """`serve_request_id` reads Serve's request context (`_internal_request_id`), empty outside a request."""
+    from ray.serve.context import _get_serve_request_context
+
+    assert hasattr(_get_serve_request_context(), "_internal_request_id")
+    assert ray_private.serve_request_id() is None
+
+
+def test_no_other_module_uses_rays_private_apis() -> None:
+    private = re.compile(r"ray\._private|ray\.core\.generated|ray\.experimental|serve\._private|_internal=True|"
+                         r"__internal_head__|_get_serve_request_context")
+    package = Path(ray_private.__file__).parents[1]
+    users = [str(path.relative_to(package)) for path in sorted(package.rglob("*.py"))
+             if path.name != "ray_private.py" and private.search(path.read_text())]
+    assert users == []
 
 
 def test_serves_controller_and_the_dashboards_token_header_are_where_they_were() -> None:

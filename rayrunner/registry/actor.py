@@ -49,7 +49,7 @@ from rayrunner.registry.lifecycle import PHASES, Phase
 from rayrunner.registry.model_apps import ModelApps, ServeModelApps
 from rayrunner.registry.replica_watch import watch_replicas
 from rayrunner.registry.state import ModelEntry, ModelRecord, RegistryState, UnloadMode
-from rayrunner.runtime import logs, metrics
+from rayrunner.runtime import logs, metrics, ray_private
 from rayrunner.runtime.cache_dir import cache_dir
 
 REGISTRY_NAME = "rayrunner-registry"
@@ -546,6 +546,6 @@ def get_registry(app_name: str = DEFAULT_APP, state_path: str | None = None) -> 
         max_restarts=-1,
         max_task_retries=0,
         num_cpus=0,
-        resources={"node:__internal_head__": 0.001},  # the head outlives every worker, and holds a local state file
+        resources={ray_private.HEAD_NODE_RESOURCE: 0.001},  # the head outlives every worker; its state file is local
         max_concurrency=1000,
     ).remote(state_path or default_state_path(app_name))

@@ -19,7 +19,6 @@ import psutil
 import ray
 from ray import serve
 from ray.serve import Application
-from ray.serve.context import _get_serve_request_context
 from ray.serve.exceptions import RayServeException
 
 from rayrunner.engines.base import Engine
@@ -32,7 +31,7 @@ from rayrunner.openai import replies
 from rayrunner.openai.events import GenerationEvent
 from rayrunner.openai.sampling_params import SamplingParams, sampling_params
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from rayrunner.runtime import logs, metrics
+from rayrunner.runtime import logs, metrics, ray_private
 from rayrunner.runtime.ready_batches import ready_batches
 from rayrunner.runtime.warm_workers import REPLICA_RUNTIME_ENV
 
@@ -197,7 +196,7 @@ def _replica_id() -> str:
 
 def _request_id() -> str:
     """The Serve request id the router saw for this request (a fresh one outside Serve, as unit tests run it)."""
-    return _get_serve_request_context()._internal_request_id or uuid.uuid4().hex
+    return ray_private.serve_request_id() or uuid.uuid4().hex
 
 
 def _rss_bytes() -> int | None:
@@ -229,8 +228,8 @@ def model_deployment(spec: ModelSpec, version: str | None = None) -> Application
         max_constructor_retry_count=1,  # a broken model does not heal by retrying; fail fast instead
         ray_actor_options={**settings.ray_actor_options(), "runtime_env": _runtime_env(settings)},
     )(ModelServer)
-    if version is not None:  # Serve's own code-version field, which its public API no longer lets callers set
-        deployment = deployment.options(version=version, _internal=True)
+    if version is not None:
+        deployment = ray_private.with_code_version(deployment, version)
     return deployment.bind(spec.replica_args())
 
 

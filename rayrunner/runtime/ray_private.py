@@ -5,7 +5,7 @@ one fails there by name, not somewhere inside a replica.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 # The variable through which Ray hands a worker its `worker_process_setup_hook` (a function's import path), which
 # Ray runs in the worker's main thread before its first task. Ray converts the runtime_env field to it only for a
@@ -85,3 +85,38 @@ def kv_delete(key: str, namespace: str) -> None:
     kv = internal_kv()
     if kv is not None:
         kv._internal_kv_del(key, namespace=namespace)
+
+
+# The resource only the head node has: the registry actor is placed there (it outlives every worker node).
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
+def serve_request_id() -> str | None:
+    """The id Serve gave the request this replica is serving (what the router saw), or None outside a request."""
+    from ray.serve.context import _get_serve_request_context
+
+    request_id: str | None = _get_serve_request_context()._internal_request_id or None
+    return request_id
+
+
+def with_code_version(deployment: Any, version: str) -> Any:
+    """`deployment` deployed as code version `version`: Serve's own field, which its public API no longer lets
+    callers set (a rescale deployed as the running version restarts no replica)."""
+    return deployment.options(version=version, _internal=True)
+
+
+def prestart_workers(address: str, job_id: str, serialized_runtime_env: str, keep_alive_s: int, count: int) -> None:
+    """Ask the raylet at `address` to start `count` idle workers of that job and runtime env (Ray's own
+    `PrestartWorkers` call, which no public API offers)."""
+    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc, runtime_environment_pb2
+
+    common, manager, runtime_env = cast(Any, (common_pb2, node_manager_pb2, runtime_environment_pb2))  # no stubs
+    channel = grpc_channel(address)
+    try:
+        request = manager.PrestartWorkersRequest(
+            language=common.PYTHON, job_id=bytes.fromhex(job_id),
+            runtime_env_info=runtime_env.RuntimeEnvInfo(serialized_runtime_env=serialized_runtime_env),
+            keep_alive_duration_secs=keep_alive_s, num_workers=count)
+        node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
+    finally:
+        channel.close()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, cast
+from typing import Any
 
 from rayrunner.runtime import ray_private
 from rayrunner.runtime import transport as serve_transport
@@ -60,21 +60,12 @@ def prestart_worker(worker: dict[str, Any], keep_alive_s: int = KEEP_ALIVE_S, co
     """Ask the raylet of the replica's node to start `count` idle workers with the replica's job and runtime env;
     False when that node is gone (nothing to ask)."""
     import ray
-    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc, runtime_environment_pb2
 
-    common, manager, runtime_env = cast(Any, (common_pb2, node_manager_pb2, runtime_environment_pb2))  # no stubs
     node = next((n for n in ray.nodes() if n["NodeID"] == worker["node_id"] and n["Alive"]), None)
     if node is None:
         return False
-    channel = ray_private.grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
-    try:
-        request = manager.PrestartWorkersRequest(
-            language=common.PYTHON, job_id=bytes.fromhex(worker["job_id"]),
-            runtime_env_info=runtime_env.RuntimeEnvInfo(serialized_runtime_env=worker["runtime_env"]),
-            keep_alive_duration_secs=keep_alive_s, num_workers=count)
-        node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
-    finally:
-        channel.close()
+    ray_private.prestart_workers(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}", worker["job_id"],
+                                 worker["runtime_env"], keep_alive_s, count)
     return True
 
 
