@@ -53,7 +53,8 @@ class EngineSettings(Replicas):
 
     backend: Literal["transformers", "vllm"] = Field(
         "transformers", description="The engine inside the replica: rayrunner's own (transformers' modelling and "
-        "rayrunner's step scheduler), or vLLM's async engine (text models; settings in `vllm`)."
+        "rayrunner's step scheduler), or vLLM's async engine (text models; settings in `vllm`; its own venv: "
+        "`bash scripts/install_vllm.sh`; docs/engines.md)."
     )
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="The `vllm` backend's settings.")
     sources: SourcePolicy | None = Field(
@@ -84,17 +85,20 @@ class EngineSettings(Replicas):
     )
     max_num_seqs: int = Field(32, ge=1, description="Most sequences decoded together in one step.")
     max_queued_requests: int = Field(
-        256, ge=0, description="Most requests waiting for a free sequence slot; past it requests get a 429."
+        256, ge=0, description="Most requests waiting for a free sequence slot; past it requests get a 429 with "
+        "Retry-After."
     )
     prefill_chunk_tokens: int = Field(
         512, ge=16, description="Prompt tokens prefilled per step (longer prompts take several steps)."
     )
-    max_seq_len: int | None = Field(None, ge=1, description="Prompt + completion token limit.")
+    max_seq_len: int | None = Field(None, ge=1, description="Prompt + completion token limit (default: the "
+                                        "model's).")
     kv_cache_bytes: int | None = Field(
         None, ge=1, description="Bytes one replica's KV caches may hold (running sequences, prompts being "
         "prefilled, reused prefixes): admission waits for room, the newest sequences are preempted (recomputed "
-        "later) rather than pass it. Counted by capacity, the default too. Default: 1 GiB on CPU; on a GPU, half of "
-        "what the replica's share of it (`num_gpus`) leaves beside its weights (`models.footprint.gpu_kv_budget`). "
+        "later) rather than pass it. Counted by capacity (`max_loaded_bytes`), the default too. Default: 1 GiB on "
+        "CPU; on a GPU, half of what the replica's share of it (`num_gpus`) leaves beside its weights "
+        "(`models.footprint.gpu_kv_budget`). "
         "The vllm backend reserves it at start (unset: `vllm.kv_cache_bytes`)."
     )
     prefix_caching: bool = Field(
@@ -173,10 +177,14 @@ class ModelSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_id: str = Field(min_length=1, description="The id requests use; may contain `/`.")
-    which: WhichSpec
-    in_situ_quant: str | None = Field(None, description="ISQ name such as `Q4K` or `Q8_0`.")
-    engine: EngineSettings = Field(default_factory=EngineSettings)
+    model_id: str = Field(min_length=1, description="The id requests use; may contain `/`; `default` is reserved.")
+    which: WhichSpec = Field(description="What to load, tagged by `type`: `plain`, `gguf`, `multimodal_plain`, "
+                             "`embedding` or `lora`.")
+    in_situ_quant: str | None = Field(None, description="Quantize while loading, by mistral.rs's ISQ names (any "
+                                      "case): `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `Q8_0`, `Q8_1`, `Q2K` ... `Q8K`, "
+                                      "`HQQ4`, `HQQ8`, `FP8`, or a bit width (`2`-`6`, `8`); the vllm backend takes "
+                                      "`FP8` only. The model card says what was applied.")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="How its replicas run.")
 
     @field_validator("model_id")
     @classmethod

@@ -50,34 +50,40 @@ class _Which(BaseModel):
 
 
 class Plain(_Which):
-    type: Literal["plain"] = "plain"
+    type: Literal["plain"] = Field("plain", description="A text model from its safetensors weights.")
     model_id: str = Field(description="Local folder, hub id, or builtin name (e.g. `smollm2-135m-instruct`).")
-    arch: Architecture | None = None
+    arch: Architecture | None = Field(None, description="The text architecture (mistral.rs's name), checked "
+                                      "against the model's config when given.")
     tokenizer_json: str | None = Field(None, description="A tokenizer.json or folder to use instead.")
 
 
 class MultimodalPlain(_Which):
-    type: Literal["multimodal_plain"] = "multimodal_plain"
+    type: Literal["multimodal_plain"] = Field(
+        "multimodal_plain", description="A vision-language model: requests send image parts as `data:` URLs "
+        "(remote URLs only under the model's `engine.image_url_allowlist`).")
     kind: ClassVar[Literal["text", "multimodal", "embedding"]] = "multimodal"
-    model_id: str
-    arch: MultimodalArchitecture | None = None
+    model_id: str = Field(description="Local folder or hub id.")
+    arch: MultimodalArchitecture | None = Field(None, description="The vision-language architecture (mistral.rs's "
+                                                "name), checked against the model's config when given.")
 
 
 class Embedding(_Which):
-    type: Literal["embedding"] = "embedding"
+    type: Literal["embedding"] = Field("embedding", description="A sentence-embedding model (`/v1/embeddings`).")
     kind: ClassVar[Literal["text", "multimodal", "embedding"]] = "embedding"
     model_id: str = Field(description="Local folder, hub id, or builtin name (e.g. `all-minilm-l6-v2`).")
-    arch: EmbeddingArchitecture | None = None
+    arch: EmbeddingArchitecture | None = Field(None, description="The embedding architecture (mistral.rs's name), "
+                                               "checked against the model's config when given.")
 
 
 class GGUF(_Which):
-    type: Literal["gguf"] = "gguf"
+    type: Literal["gguf"] = Field("gguf", description="A text model from a GGUF file.")
     _positional: ClassVar[str] = "quantized_model_id"
     quantized_model_id: str = Field(description="Folder or hub id holding the GGUF file, or the file itself.")
     quantized_filename: str | None = Field(None, description="GGUF file name inside `quantized_model_id` (a "
                                            "plain name: no folder, `..` or absolute path).")
     tok_model_id: str | None = Field(None, description="Where to take the tokenizer from (default: the GGUF).")
-    arch: Architecture | None = None
+    arch: Architecture | None = Field(None, description="The text architecture (mistral.rs's name), checked "
+                                      "against the model's config when given.")
 
     @field_validator("quantized_filename")
     @classmethod
@@ -93,10 +99,12 @@ class Lora(_Which):
     """A LoRA adapter (a peft folder) served by its base model's replica: one forward pass mixes rows of several
     adapters and of the base model. `revision` is the base model's; `hf_cache_path` serves both."""
 
-    type: Literal["lora"] = "lora"
+    type: Literal["lora"] = Field("lora", description="A LoRA adapter, served by the replica of a registered "
+                                  "plain model of the same base, dtype and `in_situ_quant`, else by one of its own.")
     model_id: str = Field(description="The base model: local folder, hub id, or builtin name.")
     adapter: str = Field(description="The adapter: local folder or hub id holding `adapter_config.json`.")
-    arch: Architecture | None = None
+    arch: Architecture | None = Field(None, description="The base model's architecture (mistral.rs's name), "
+                                      "checked against its config when given.")
 
 
 AnyWhich = Plain | MultimodalPlain | Embedding | GGUF | Lora

@@ -18,9 +18,11 @@ class ApiKeys(BaseModel):
     """The router's `auth`: who may call which routes, and whether the service may serve beyond loopback open."""
 
     model_config = ConfigDict(extra="forbid")
-    api_keys: list[str] = Field(default_factory=list, description="Keys for the inference routes (and reads). "
-                                "Set without `admin_api_keys`, the admin routes are off over HTTP (403).")
-    admin_api_keys: list[str] = Field(default_factory=list, description="Keys for the admin routes (and all).")
+    api_keys: list[str] = Field(default_factory=list, description="Keys for the inference routes (and reads), "
+                                "plus `RAYRUNNER_API_KEYS` (comma-separated). Set without `admin_api_keys`, the "
+                                "admin routes are off over HTTP (403).")
+    admin_api_keys: list[str] = Field(default_factory=list, description="Keys for the admin routes (and all), plus "
+                                      "`RAYRUNNER_ADMIN_API_KEYS` (comma-separated).")
     allow_open: bool = Field(False, description="Serve with no keys at all on an HTTP host other machines can "
                              "reach (`0.0.0.0`, `::`, a non-loopback address): anyone who reaches it may then add, "
                              "remove, unload and scale models. Off: such a service refuses to start.")
@@ -84,9 +86,14 @@ class RegistryConfig(BaseModel):
     """The router's `args`: every model it serves, the default, and where the registry keeps its state."""
 
     model_config = ConfigDict(extra="forbid")
-    models: list[ModelEntry] = Field(default_factory=list)
-    default_model: str | None = Field(None, description="Model id or alias; default: the first model.")
-    state_path: str | None = Field(None, description="Registry state file (default under the cache dir).")
+    models: list[ModelEntry] = Field(default_factory=list, description="The models declared; more may be added at "
+                                     "runtime, and the config wins for the ones it declares.")
+    default_model: str | None = Field(None, description="Model id or alias that `default` (and a request without "
+                                      "`model`) goes to; default: the first model.")
+    state_path: str | None = Field(None, description="Registry state file (default: `registry.json`, "
+                                   "`registry-<app>.json` for a router app not named `rayrunner`, in "
+                                   "`$RAYRUNNER_CACHE_DIR`, else `~/.cache/rayrunner`); on a cluster, storage every "
+                                   "node reaches.")
     load_timeout_s: float = Field(900.0, gt=0, description="How long a load (and a request waiting on it) may take.")
     unload_timeout_s: float = Field(300.0, gt=0, description="How long an unload waits for in-flight requests.")
     idle_unload_mode: UnloadMode = Field("stop", description="How keep_alive unloads an idle model: `stop` (no "
@@ -95,7 +102,8 @@ class RegistryConfig(BaseModel):
                              "load starts in ~1 s instead of importing torch first (~10 s on a small CPU); each "
                              "holds ~0.4 GB. 0: none.")
     max_loaded_models: int | None = Field(None, ge=1, description="Most models loaded at once; a load past it "
-                                          "first unloads idle models, least recently used first (default: no limit).")
+                                          "first unloads idle models, the one wanted least often for what bringing "
+                                          "it back costs first (default: no limit).")
     max_loaded_bytes: int | None = Field(None, ge=1, description="Most estimated bytes (weights and KV reserve) "
                                          "loaded at once, enforced the same way (default: no limit).")
     evict_mode: UnloadMode = Field("sleep", description="How a model evicted to make room is unloaded: `sleep` "

@@ -58,9 +58,10 @@ class ModelEntry(BaseModel):
     """A model as declared in a config or added at runtime: its spec, aliases, and whether to load it now."""
 
     model_config = ConfigDict(extra="forbid")
-    spec: ModelSpec
-    aliases: list[str] = Field(default_factory=list)
-    load: bool = True
+    spec: ModelSpec = Field(description="What to load and how to run it.")
+    aliases: list[str] = Field(default_factory=list, description="Other names requests may use for the model.")
+    load: bool = Field(True, description="Load when the config is applied; false: registered unloaded, loaded on "
+                       "first use or reload.")
     pinned: bool | None = Field(None, description="Never evicted to make room for another model (unset: as "
                                 "registered, False for a new model).")
     keep_alive: Annotated[KeepAlive, AfterValidator(checked_keep_alive)] = Field(
