@@ -188,10 +188,10 @@ async def _queued_behind_a_busy_model(tmp_path: Path, **config: Any) -> tuple[Re
     await registry.ensure_loaded("a")
     await registry.report_usage("router", {"a": 1}, {"a": (time.time(), None)})
     waiting = [asyncio.create_task(registry.ensure_loaded("b"))]
-    while "b" not in registry._room_requests:
+    while not registry.evictor.waits_for_room("b"):
         await asyncio.sleep(0.001)
     waiting += [asyncio.create_task(registry.ensure_loaded("c")) for _ in range(3)]
-    while registry._queued.get("c") != 3 or "c" not in registry._room_requests:
+    while registry.evictor.queued("c") != 3 or not registry.evictor.waits_for_room("c"):
         await asyncio.sleep(0.001)
     return registry, apps, waiting
 

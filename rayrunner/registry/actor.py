@@ -10,10 +10,10 @@ unloaded model all wait on the same load. After a restart the actor reads its fi
 against what Serve is actually running. Every saved change also bumps a version that routers long-poll
 (`routing_table`), so they route without asking the registry per request.
 
-Capacity (`max_loaded_models`, `max_loaded_bytes`) is made before a load by evicting idle models (see
-`rayrunner.registry.eviction_rules`); an idle-timer task unloads models whose `keep_alive` ran out. Both know use from
-the routers' batched `report_usage` calls: each router replica counts its open requests per model and sends its
-counts and last-use times at most every half second, never per request.
+Capacity (`max_loaded_models`, `max_loaded_bytes`) and the keep_alive timer are the registry's `Evictor`
+(`rayrunner.registry.evictor`), which evicts idle models through the registry's own unload. Both know use from the
+routers' batched `report_usage` calls: each router replica counts its open requests per model and sends its counts
+and last-use times at most every half second, never per request.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, Literal
 
 import ray
 
 from rayrunner.errors import (
-    CapacityError,
     ModelAlreadyLoadedError,
     ModelAlreadyUnloadedError,
     ModelLoadError,
@@ -41,10 +41,10 @@ from rayrunner.errors import (
     unwrap,
 )
 from rayrunner.models import load_progress
+from rayrunner.models.keep_alive import KeepAlive
 from rayrunner.models.spec import ModelSpec
 from rayrunner.registry.config import RegistryConfig
-from rayrunner.registry.eviction_rules import InFlightBook
-from rayrunner.registry.evictor import CapacityMixin
+from rayrunner.registry.evictor import Evictor
 from rayrunner.registry.lifecycle import PHASES, Phase
 from rayrunner.registry.model_apps import ModelApps, ServeModelApps
 from rayrunner.registry.replica_watch import watch_replicas
@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 LoadMode = Literal["deploy", "adopt", "replace"]
 
 
-class Registry(CapacityMixin):
+class Registry:
     def __init__(self, state_path: str, apps: ModelApps | None = None) -> None:
         self.apps: ModelApps = apps or ServeModelApps()  # Serve in production, a fake in tests
         self.path = Path(state_path)
@@ -75,21 +75,16 @@ class Registry(CapacityMixin):
         self._epoch = uuid.uuid4().hex  # a restarted registry is a new epoch, so routers never trust old versions
         self._changes = 0
         self._changed = asyncio.Event()
-        self._room = asyncio.Lock()  # one load at a time makes room, so two never count the same free slot
-        self._in_flight = InFlightBook()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._claims: dict[str, float] = {}  # models just loaded for a request (see `CapacityMixin._claim`)
-        self._room_changed = asyncio.Event()  # set (and replaced) whenever room may have come free
-        self._room_requests: dict[str, float] = {}
-        self._queued: dict[str, int] = {}
-        self._idle_timer: asyncio.Task[None] | None = None
+        self.evictor = Evictor(self.state, self.config, self.apps, lock=self._lock, unload=self._unload,
+                               loading=self._loads, spawn=self._spawn)
 
     # ------------------------------------------------------------ start-up
 
     async def bootstrap(self, config: dict[str, Any]) -> list[str]:
         """Apply the config (it wins for the models it declares; see `RegistryState.apply_config`), then settle
         every model against Serve. Returns what changed, as logged."""
-        self.config = RegistryConfig.model_validate(config)
+        self.config = self.evictor.config = RegistryConfig.model_validate(config)
         self.state.settings = self.config.model_dump(mode="json", exclude={"models", "default_model", "auth"})
         changes = self.state.apply_config(self.config.models, self.config.default_model)
         for line in changes.log:
@@ -103,8 +98,7 @@ class Registry(CapacityMixin):
         return changes.log
 
     async def _ensure_reconciled(self) -> None:
-        if self._idle_timer is None:
-            self._idle_timer = asyncio.get_running_loop().create_task(self._watch_idle())
+        if self.evictor.start():  # the first call: the keep_alive timer and the replica watch begin
             self._spawn(watch_replicas(self.apps, lambda: {r.spec.app_name: mid for mid, r in self.state.models.items()
                                                            if self.state.host_of(mid) is None}))
         if not self._reconciled:
@@ -213,7 +207,13 @@ class Registry(CapacityMixin):
         if replicas is not None:
             card["replicas"] = replicas.get(serving.spec.app_name, {"running": 0, "starting": 0, "target": 0})
         return {**card, "model_id": model_id, "kind": record.spec.kind, "is_default": model_id == self.state.default_id,
-                "in_flight": self._in_flight.count(model_id, time.time())}
+                "in_flight": self.evictor.in_flight(model_id)}
+
+    async def report_usage(self, router_id: str, in_flight: dict[str, int],
+                           used: dict[str, tuple[float, KeepAlive] | tuple[float, KeepAlive, int]]) -> None:
+        """A router replica's batch of use (`Evictor.report_usage`): its open requests per model now, and per model
+        used since its last report the last use time, its request's keep_alive and how many requests began."""
+        self.evictor.report_usage(router_id, in_flight, used)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -224,16 +224,9 @@ class Registry(CapacityMixin):
         record.last_used_at = time.time()
         model_id = record.spec.model_id
         if record.status != "loaded":
-            queued = self._queued.get(model_id, 0)
-            if queued >= self.config.max_queued_requests:
-                raise CapacityError(f"{queued} requests already wait for `{model_id}` to load "
-                                    f"(max_queued_requests); retry later")
-            self._queued[model_id] = queued + 1
-            try:
+            with self.evictor.queue(model_id):  # a 503 past max_queued_requests
                 await asyncio.shield(self._loads.get(model_id) or self._start_load(record))
-            finally:
-                self._queued[model_id] -= 1
-        self._claim(model_id)
+        self.evictor.claim(model_id)
         return model_id
 
     async def reload(self, name: str) -> dict[str, Any]:
@@ -353,6 +346,11 @@ class Registry(CapacityMixin):
     def _lock(self, model_id: str) -> asyncio.Lock:
         return self._locks.setdefault(model_id, asyncio.Lock())
 
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(_logged(work))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _changeable(self, name: str) -> str:
         """The model id `name` resolves to, unless that model (or a LoRA model's host) is being removed."""
         model_id = self.state.resolve(name)
@@ -387,16 +385,18 @@ class Registry(CapacityMixin):
         spec = record.spec
         async with self._lock(spec.model_id):
             self._check_current(record)  # removed while this load waited: deploy nothing
-            if mode == "adopt":  # already deployed: it holds its room whatever the limits say
-                record.move(Phase.LOADING)
-            else:
-                await self._room_or_unloaded(record)
-            self._persist()
+            try:
+                if mode == "adopt":  # already deployed: it holds its room whatever the limits say
+                    record.move(Phase.LOADING)
+                else:  # with no room it goes back to where it was, and the waiters get the capacity error as it is
+                    await self.evictor.make_room(record)
+            finally:
+                self._persist()
             started = time.monotonic()
             try:
                 record.info, deployed_at = await self._replica_up(record, mode)
                 record.estimated_bytes = None  # estimated again from the measured weights
-                await self._footprint(record)
+                await self.evictor.footprint(record)
             except Exception as exc:
                 await self._fail_load(record, exc)
                 refused = unwrap(exc)
@@ -428,7 +428,7 @@ class Registry(CapacityMixin):
         if mode == "adopt":
             await self.apps.wait_loaded(app, self.config.load_timeout_s)
             return await self.apps.info(app), None
-        await self._stop_sleepers_for(record)
+        await self.evictor.stop_sleepers_for(record)
         deployed_at = time.time()
         record.deployed_version = uuid.uuid4().hex
         await self._bring_up(record.spec, record.deployed_version)
@@ -444,17 +444,6 @@ class Registry(CapacityMixin):
             logger.info("rescaling `%s` in place to %s", record.spec.model_id,
                         record.spec.engine.serve_options())
             await self._bring_up(record.spec, record.deployed_version)
-
-    async def _room_or_unloaded(self, record: ModelRecord) -> None:
-        """Make room for the load (the model moves to `loading`); when there is none (too large, or no room in
-        time) it goes back to where it was (asleep if its replica sleeps, else stopped) and the capacity error
-        reaches the waiters as it is (a 400 or a 503, not a load failure)."""
-        try:
-            await self._make_room(record)
-        except Exception:
-            record.move(Phase.ASLEEP if record.unload_mode == "sleep" else Phase.STOPPED)
-            self._persist()
-            raise
 
     async def _unload(self, record: ModelRecord, reason: str, mode: UnloadMode) -> None:
         """Unload by `mode` (caller holds the lock). Sleep: the replica drains, frees its weights and stays."""
@@ -517,7 +506,14 @@ class Registry(CapacityMixin):
         self._changes += 1
         self._changed.set()  # wakes every routing_table long poll; later polls wait on a fresh event
         self._changed = asyncio.Event()
-        self._capacity_changed()
+        self.evictor.changed()
+
+
+async def _logged(work: Coroutine[Any, Any, None]) -> None:
+    try:
+        await work
+    except Exception:
+        logger.exception("background work failed")
 
 
 RegistryActor = ray.remote(Registry)

@@ -6,10 +6,11 @@ only, so loads queued past the cap never wait on one another. Waiting loads take
 is never held while a load waits), the one with the most requests queued for it first, so the fewest swaps serve
 the queued requests; one that has waited `room_fairness_s` goes before any that has not, oldest first. A load that
 gets no room within `load_timeout_s` fails alone with a 503. A model just loaded for a request is protected from
-eviction until the router's next usage report counts that request (`_claims`).
+eviction until the router's next usage report counts that request (`claim`).
 
-A mixin of `rayrunner.registry.actor.Registry`, kept apart so each file holds one concept; it relies on the registry's
-state, config, per-model locks and `_unload`.
+`Evictor` is an object the registry (`rayrunner.registry.actor.Registry`) owns, built with what it works on passed in:
+the state, the config, the model apps, the per-model lock lookup, the loads under way, how to unload a model
+(`Unload`) and how to run background work. It holds no Ray, so tests drive it against a fake `ModelApps`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable, Container, Coroutine, Iterator
 from typing import Any
 
 from rayrunner.errors import CapacityError
@@ -46,27 +48,34 @@ _RESOURCES_SETTLE_S = 3.0  # how long freed resources may take to show as free b
 CLAIM_S = 2.0  # a model loaded for a request stays protected this long, unless a usage report counts it first
 
 
-class CapacityMixin:
-    apps: ModelApps
-    state: RegistryState
-    config: RegistryConfig
-    _in_flight: InFlightBook
-    _room: asyncio.Lock
-    _loads: dict[str, asyncio.Task[None]]
-    _tasks: set[asyncio.Task[None]]
-    _claims: dict[str, float]
-    _room_changed: asyncio.Event
-    _room_requests: dict[str, float]  # loads waiting for room, and since when (monotonic)
-    _queued: dict[str, int]  # requests waiting for each model's load
+Unload = Callable[[ModelRecord, str, UnloadMode], Awaitable[None]]  # (record, reason, mode); caller holds the lock
+Spawn = Callable[[Coroutine[Any, Any, None]], None]  # runs work in the background, logging its failure
 
-    def _lock(self, model_id: str) -> asyncio.Lock:
-        raise NotImplementedError
 
-    async def _unload(self, record: ModelRecord, reason: str, mode: UnloadMode) -> None:
-        raise NotImplementedError
+class Evictor:
+    """Room for loads, eviction and the keep_alive timer, over the registry's state (see the module docstring)."""
 
-    async def report_usage(self, router_id: str, in_flight: dict[str, int],
-                           used: dict[str, tuple[float, KeepAlive] | tuple[float, KeepAlive, int]]) -> None:
+    def __init__(self, state: RegistryState, config: RegistryConfig, apps: ModelApps, *,
+                 lock: Callable[[str], asyncio.Lock], unload: Unload, loading: Container[str], spawn: Spawn) -> None:
+        self.state, self.config, self.apps = state, config, apps  # the registry replaces `config` on bootstrap
+        self._lock, self._unload, self._loading, self._spawn = lock, unload, loading, spawn
+        self._in_flight = InFlightBook()
+        self._room = asyncio.Lock()  # one load at a time makes room, so two never count the same free slot
+        self._claims: dict[str, float] = {}  # models just loaded for a request (see `claim`)
+        self._room_changed = asyncio.Event()  # set (and replaced) whenever room may have come free
+        self._room_requests: dict[str, float] = {}  # loads waiting for room, and since when (monotonic)
+        self._queued: dict[str, int] = {}  # requests waiting for each model's load
+        self._timer: asyncio.Task[None] | None = None
+
+    def start(self) -> bool:
+        """Start the keep_alive timer (in the running loop); False when it runs already."""
+        if self._timer is not None:
+            return False
+        self._timer = asyncio.get_running_loop().create_task(self._watch_idle())
+        return True
+
+    def report_usage(self, router_id: str, in_flight: dict[str, int],
+                     used: dict[str, tuple[float, KeepAlive] | tuple[float, KeepAlive, int]]) -> None:
         """A router replica's batch: its open requests per model now, and per model used since its last report the
         last use time, that request's own keep_alive (None: the model's) and how many requests began (one if not
         said)."""
@@ -84,9 +93,33 @@ class CapacityMixin:
                 record.recent_uses = decayed_uses(record.recent_uses, record.recent_uses_at or now, now,
                                                   begun[0] if begun else 1)
                 record.recent_uses_at = now
-        self._capacity_changed()
+        self.changed()
 
-    def _claim(self, model_id: str) -> None:
+    def in_flight(self, model_id: str) -> int:
+        """Requests open for `model_id` now, as the routers last reported them."""
+        return self._in_flight.count(model_id, time.time())
+
+    @contextlib.contextmanager
+    def queue(self, model_id: str) -> Iterator[None]:
+        """Count one request waiting for `model_id`'s load while it waits (the most queued load gets room first);
+        raises CapacityError past `max_queued_requests`."""
+        queued = self._queued.get(model_id, 0)
+        if queued >= self.config.max_queued_requests:
+            raise CapacityError(f"{queued} requests already wait for `{model_id}` to load "
+                                f"(max_queued_requests); retry later")
+        self._queued[model_id] = queued + 1
+        try:
+            yield
+        finally:
+            self._queued[model_id] -= 1
+
+    def queued(self, model_id: str) -> int:
+        return self._queued.get(model_id, 0)
+
+    def waits_for_room(self, model_id: str) -> bool:
+        return model_id in self._room_requests
+
+    def claim(self, model_id: str) -> None:
         """`model_id` was just made ready for a request the routers may not have reported yet."""
         self._claims[model_id] = time.time()
 
@@ -96,22 +129,32 @@ class CapacityMixin:
             return True
         return self._in_flight.count(model_id, now) > 0
 
-    def _capacity_changed(self) -> None:
+    def changed(self) -> None:
         """Wake the loads waiting for room: a model changed phase, or became idle."""
         self._room_changed.set()
         self._room_changed = asyncio.Event()
 
-    async def _make_room(self, record: ModelRecord) -> None:
+    async def make_room(self, record: ModelRecord) -> None:
         """Before a load (the model is `waiting_for_room`): evict idle models until it fits, then move it to
-        `loading`; wait (up to the load timeout) while only busy, pinned or loading models stand in the way.
-        Raises ModelTooLargeError or CapacityError."""
+        `loading`; wait (up to the load timeout) while only busy, pinned or loading models stand in the way. When
+        there is no room (too large, or none in time) the model goes back to where it was (asleep if its replica
+        sleeps, else stopped) and ModelTooLargeError or CapacityError is raised (a 400 or a 503, not a load
+        failure)."""
+        try:
+            await self._wait_for_room(record)
+        except Exception:
+            record.move(Phase.ASLEEP if record.unload_mode == "sleep" else Phase.STOPPED)
+            raise
+
+    async def _wait_for_room(self, record: ModelRecord) -> None:
+        """`make_room` until it raises: the model waits its turn (`_next_for_room`), then takes room or waits on."""
         limits = Limits(self.config.max_loaded_models, self.config.max_loaded_bytes)
         if limits == Limits():
             record.move(Phase.LOADING)
             return
         model_id = record.spec.model_id
         deadline = time.monotonic() + self.config.load_timeout_s
-        new_bytes = await self._footprint(record)
+        new_bytes = await self.footprint(record)
         self._room_requests[model_id] = time.monotonic()
         try:
             while True:
@@ -127,7 +170,7 @@ class CapacityMixin:
                     await asyncio.wait_for(changed.wait(), _ROOM_POLL_S)
         finally:
             del self._room_requests[model_id]
-            self._capacity_changed()  # the next in line may try now
+            self.changed()  # the next in line may try now
 
     def _next_for_room(self) -> str:
         """The waiting load that may take room next: the longest waiting of those past `room_fairness_s`, else the
@@ -158,12 +201,12 @@ class CapacityMixin:
                 continue
             evictable = record.phase == Phase.LOADED and not self.state.pinned(model_id) and not self._busy(model_id)
             uses = decayed_uses(record.recent_uses, record.recent_uses_at or 0.0, time.time())
-            occupants.append(Occupant(model_id, await self._footprint(record), record.last_used_at or 0.0,
+            occupants.append(Occupant(model_id, await self.footprint(record), record.last_used_at or 0.0,
                                       record.load_seconds or 0.0, evictable, uses,
                                       reload_cost(record.load_seconds, self.config.evict_mode == "sleep")))
         return occupants
 
-    async def _footprint(self, record: ModelRecord) -> int | None:
+    async def footprint(self, record: ModelRecord) -> int | None:
         """Estimated bytes (only counted under `max_loaded_bytes`; None: unknown, estimated again next time);
         measured weights and KV budget once the model has loaded."""
         if self.config.max_loaded_bytes is None:
@@ -187,7 +230,7 @@ class CapacityMixin:
         if mode == "sleep":
             await self._keep_asleep_within_limit()
 
-    async def _stop_sleepers_for(self, record: ModelRecord) -> None:
+    async def stop_sleepers_for(self, record: ModelRecord) -> None:
         """Before a new replica starts: stop the least recently used sleeping models while their replicas hold the
         resources (CPUs, GPUs) it needs; without any asleep, Serve queues the replica and the load's time bounds it."""
         while not await self.apps.fits_now(record.spec):
@@ -195,11 +238,7 @@ class CapacityMixin:
             if not asleep:
                 return
             oldest = min(asleep, key=lambda r: r.last_used_at or 0.0)
-            async with self._lock(oldest.spec.model_id):
-                if oldest.phase == Phase.ASLEEP and self.state.models.get(oldest.spec.model_id) is oldest:
-                    logger.info("stopping `%s` (asleep: its replica holds what `%s` needs)", oldest.spec.model_id,
-                                record.spec.model_id)
-                    await self._unload(oldest, EVICTED_RESOURCES, "stop")
+            await self._stop_asleep(oldest, EVICTED_RESOURCES, f"its replica holds what `{record.spec.model_id}` needs")
             await self._until_fits(record, _RESOURCES_SETTLE_S)  # the cluster's count of free resources lags
 
     async def _until_fits(self, record: ModelRecord, timeout_s: float) -> None:
@@ -213,10 +252,14 @@ class CapacityMixin:
         asleep = sorted((r for r in self.state.models.values() if r.phase == Phase.ASLEEP),
                         key=lambda r: r.last_used_at or 0.0)
         for record in asleep[:max(0, len(asleep) - limit)] if limit is not None else []:
-            async with self._lock(record.spec.model_id):
-                if record.phase == Phase.ASLEEP and self.state.models.get(record.spec.model_id) is record:
-                    logger.info("stopping `%s` (asleep: max_asleep_models)", record.spec.model_id)
-                    await self._unload(record, EVICTED_ASLEEP, "stop")
+            await self._stop_asleep(record, EVICTED_ASLEEP, "max_asleep_models")
+
+    async def _stop_asleep(self, record: ModelRecord, reason: str, why: str) -> None:
+        """Stop a sleeping model (its replica exits), unless it woke or was removed while this waited for its lock."""
+        async with self._lock(record.spec.model_id):
+            if record.phase == Phase.ASLEEP and self.state.models.get(record.spec.model_id) is record:
+                logger.info("stopping `%s` (asleep: %s)", record.spec.model_id, why)
+                await self._unload(record, reason, "stop")
 
     def _evictable(self, model_id: str, reason: str) -> bool:
         record = self.state.models.get(model_id)
@@ -237,22 +280,10 @@ class CapacityMixin:
     def _expired(self, now: float) -> list[str]:
         expired = []
         for model_id, record in self.state.models.items():
-            if record.phase != Phase.LOADED or model_id in self._loads or self._busy(model_id):
+            if record.phase != Phase.LOADED or model_id in self._loading or self._busy(model_id):
                 continue
             since = max(record.last_used_at or 0.0, record.loaded_at or 0.0)
             deadline = idle_deadline(since, record.effective_keep_alive())
             if deadline is not None and now >= deadline:
                 expired.append(model_id)
         return expired
-
-    def _spawn(self, work: Any) -> None:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(_logged(work))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-
-async def _logged(work: Any) -> None:
-    try:
-        await work
-    except Exception:
-        logger.exception("background work failed")
