@@ -12,12 +12,12 @@ sequence at a time (`mergeable` tells which).
 
 transformers' cache appends by concatenating, which copies a layer's whole cache at every step: 16 rows of 1,000
 SmolLM2 tokens are 368 MB copied per step (a third of the step). `append` (the fast decode step's) writes into room
-reserved behind the cached positions instead (an eighth of the length more, at least `MIN_ROOM`), so a position is
-copied a few times over a generation rather than once per step; a layer whose tensors were replaced since (a merge,
-a prefill through transformers) is moved into new room once. Attention reads the whole room, whose unused
-positions are zeros: a view of only the cached positions would be copied by every matmul (its rows are not evenly
-spaced), which costs what concatenating did. Decode steps of the fast step, this against concatenating (one process,
-alternating): 16 rows of 1,000 tokens 1.30x (bf16), 16 rows of 100 1.02x, one row of 40 0.97-1.0x (Q8_0).
+reserved behind the cached positions instead (an eighth of the length more, at least `MIN_ROOM`: `kv_budget.grown`),
+so a position is copied a few times over a generation rather than once per step; a layer whose tensors were replaced
+since (a merge, a prefill through transformers) is moved into new room once. Attention reads the whole room, whose
+unused positions are zeros: a view of only the cached positions would be copied by every matmul (its rows are not
+evenly spaced), which costs what concatenating did. Decode steps of the fast step, this against concatenating (one
+process, alternating): 16 rows of 1,000 tokens 1.30x (bf16), 16 rows of 100 1.02x, one row of 40 0.97-1.0x (Q8_0).
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin, get_layer_types_and_kwargs
 
-MIN_ROOM = 16  # positions reserved ahead at least (see above)
-
+from rayrunner.engines.transformers.kv.kv_budget import grown
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})  # layer kinds kept as plain `DynamicLayer`s
 RECURRENT_LAYERS = frozenset({"linear_attention", "conv", "hybrid", "full_attention", "dummy"})  # hybrid models'
@@ -93,23 +92,13 @@ class BatchCache:
     def length(self) -> int:
         return int(self.mask.shape[1])
 
-    def positions_after_step(self) -> int | None:
-        """Positions per row the layers hold once the next step appends one, when that step allocates new room
-        (as `append` does); None when it writes into room already held."""
+    def room_left(self) -> bool:
+        """Whether the next step's `append` writes into room already held (else it allocates `kv_budget.grown`
+        positions per row)."""
         room = self._room.get(0)
         layers = _layers(self.cache)
-        if room is not None and layers and room[0].data_ptr() == layers[0].keys.data_ptr() \
-                and room[0].shape[2] > self.length:
-            return None
-        return self._grown(self.length)
-
-    def _grown(self, length: int) -> int:
-        """Positions per row of the room the next reallocation makes: an eighth more (at least `MIN_ROOM`), but
-        within `max_positions` when the KV budget sets it (at least one more)."""
-        grown = length + max(MIN_ROOM, length // 8)
-        if self.max_positions is not None:
-            grown = max(length + 1, min(grown, self.max_positions))
-        return grown
+        return room is not None and bool(layers) and room[0].data_ptr() == layers[0].keys.data_ptr() \
+            and room[0].shape[2] > self.length
 
     def row_kv(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of row `row`'s keys and values for its real tokens `start` to `end` (after its left padding),
@@ -139,7 +128,7 @@ class BatchCache:
         room = self._room.get(index)
         if room is None or room[0].shape[2] <= length or room[0].data_ptr() != layer.keys.data_ptr() \
                 or room[0].shape[:2] != layer.keys.shape[:2]:
-            capacity = self._grown(length)
+            capacity = grown(length, self.max_positions)
             room = self._room[index] = (_reserved(layer.keys, length, capacity),
                                         _reserved(layer.values, length, capacity))
         room[0][:, :, length] = keys[:, :, 0]

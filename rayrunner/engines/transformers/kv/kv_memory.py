@@ -2,12 +2,12 @@
 
 Three things hold keys and values: the running batch (`BatchCache`: rows times the positions its tensors hold, left
 padding and reserved room included), the cache of a prompt being prefilled, and the prefix cache (`PrefixCache`).
-The scheduler asks before each of its moves whether the budget has room for what the move will hold; the prefix
-cache gives way first (least recently used blocks), then the newest sequences are preempted: their caches are
-dropped and they wait at the head of the queue, to be prefilled again from their prompt and output (vLLM's
-recompute preemption; their blocks are often still in the prefix cache). A sequence alone that cannot grow ends with
-finish_reason `length`; a prompt that cannot fit at all is refused (400). The caches never hold more than the budget;
-whether the device has that much is the budget's rule's business.
+Before each of the step scheduler's moves its planner (`step.planner`, on `budget()`'s figures) says whether the
+budget has room for what the move will hold; the prefix cache gives way first (least recently used blocks), then the
+newest sequences are preempted: their caches are dropped and they wait at the head of the queue, to be prefilled
+again from their prompt and output (vLLM's recompute preemption; their blocks are often still in the prefix cache).
+A sequence alone that cannot grow ends with finish_reason `length`; a prompt that cannot fit at all is refused
+(400). The caches never hold more than the budget; whether the device has that much is the budget's rule's business.
 
 The default budget (`rayrunner.models.footprint`, the rule capacity counts too): on CPU, `CPU_KV_BYTES`; on a GPU,
 `gpu_kv_budget` of the share of the device this replica reserved (`engine.num_gpus`), beside the tensors the
@@ -24,6 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from rayrunner.engines.transformers.kv.kv_batch import new_cache
+from rayrunner.engines.transformers.kv.kv_budget import KvBudget
 from rayrunner.engines.transformers.kv.prefix_cache import PrefixCache
 from rayrunner.models.footprint import CPU_KV_BYTES, GPU_KV_FRACTION, gpu_kv_budget
 
@@ -52,12 +53,17 @@ class KvMemory:
         self.position_bytes = max(two - one, 1)
         self.row_bytes = max(one - self.position_bytes, 0)
 
-    def bytes_of(self, rows: int, positions: int) -> int:
-        return rows * (positions * self.position_bytes + self.row_bytes)
+    def budget(self) -> KvBudget:
+        """The budget's figures now, as plain numbers (what the step planner decides with)."""
+        return KvBudget(self.limit, self.position_bytes, self.row_bytes, self.prefix.nbytes if self.prefix else 0)
 
-    def within(self, needed: int) -> bool:
-        """Whether `needed` bytes (besides the prefix cache) fit the budget once the prefix cache gives way."""
-        return needed <= self.limit
+    def bytes_of(self, rows: int, positions: int) -> int:
+        return self.budget().bytes_of(rows, positions)
+
+    def evict(self, nbytes: int) -> None:
+        """Drop at least `nbytes` of least recently used prefix blocks (or all there are)."""
+        if nbytes > 0 and self.prefix is not None:
+            self.prefix.evict(nbytes)
 
     def make_room(self, needed: int) -> bool:
         """Drop prefix blocks until `needed` bytes fit beside what stays cached; whether they fit."""

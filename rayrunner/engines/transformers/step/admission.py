@@ -2,7 +2,7 @@
 
 A step prefills either one group of whole prompts, left-padded into one batch, or one chunk of a long prompt. The
 group is taken from the head of the queue, in order, while it fits the free sequence slots, the chunk's token
-budget (its longest prompt times its size) and the KV memory budget (`fits`, the scheduler's); a prompt that needs a
+budget (its longest prompt times its size) and the KV memory budget (`fits`, the planner's); a prompt that needs a
 pass of its own (images, prompt logprobs, a prompt longer than one chunk, one that starts from cached prefix blocks)
 goes alone; a sequence for a LoRA adapter waits while `max_adapters` others are in use. Pure logic over the
 sequences' sizes: tested without a model.
@@ -15,11 +15,16 @@ from typing import Any, Protocol
 
 
 class Waiting(Protocol):
-    """What admission reads of a sequence."""
+    """What admission reads of a sequence (read only)."""
 
-    extra_inputs: dict[str, Any]
-    adapter: str | None
-    prefilled: int  # tokens of `prefill_ids` its cache starts with (prefix blocks found in the cache)
+    @property
+    def extra_inputs(self) -> dict[str, Any]: ...  # images and the like: prefilled in one pass
+
+    @property
+    def adapter(self) -> str | None: ...  # its LoRA adapter (None: the base model)
+
+    @property
+    def prefilled(self) -> int: ...  # tokens of `prefill_ids` its cache starts with (prefix blocks found in the cache)
 
     @property
     def prefill_ids(self) -> list[int]: ...  # the tokens its prefill feeds

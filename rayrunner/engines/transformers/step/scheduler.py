@@ -1,20 +1,23 @@
 """The step scheduler: iteration-level batching of one model's sequences, in a worker thread of the replica.
 
-Every step it
+Three parts, split as vLLM's engine core splits its scheduler from its model runner: this loop (`StepScheduler`:
+the thread, the queue, the request side, health and stats, and which sequences wait, are prefilled, chunked or run);
+the planner (`planner`: on plain figures, what each step admits, chunks, preempts or refuses); and the model runner
+(`model_runner`: the tensors, which carry each plan out). Every step the loop
 1. drops cancelled sequences (a client that hung up stops costing work at once),
-2. admits waiting sequences while fewer than `max_num_seqs` run and the KV budget has room (`kv_moves`), and
-   prefills at most one chunk's worth of prompt tokens: several short prompts as one padded batch, or the next
+2. prefills at most one chunk's worth of prompt tokens: the planner admits waiting sequences while fewer than
+   `max_num_seqs` run and the KV budget has room, as several short prompts in one padded batch, or the next
    `prefill_chunk_tokens` of one long prompt or of one whose start is in the prefix cache, so running streams wait
    at most one chunk per step (a request for a LoRA adapter waits while `max_adapters` other adapters are in use),
-3. decodes one token for every running sequence in one forward pass over the shared `BatchCache` (`fast_decode`'s
-   step for the Llama family without LoRA adapters, else the model's forward), with each sequence's own sampling
-   settings (`sampling.sample`), after making room for the step in the KV budget (preempting the newest sequences
-   if it must), and retires the ones that finished (their blocks go to the prefix cache).
+3. decodes one token for every running sequence in one forward pass over the shared `BatchCache`, with each
+   sequence's own sampling settings, after making room for the step in the KV budget (the planner says what gives
+   way: prefix blocks, then the newest sequences, preempted), and retires the ones that finished (their blocks go to
+   the prefix cache).
 Sequences join and leave between steps without recomputing anyone else's cache. Past `max_queued_requests` waiting
 sequences, `submit` refuses with `ServerOverloadedError` (HTTP 429). The loop runs on the engine's `ComputeThread`,
-the thread that loaded the model (`compute_thread` says why one thread does all the work). With LoRA adapters, every
-forward passes each row's adapter (`lora.LoraAdapters.forward`), so one batch mixes adapters and the base model;
-adapters are loaded between steps (`between_steps`) or when a sequence first needs one.
+the thread that loaded the model (`compute_thread` says why one thread does all the work). With LoRA adapters, one
+batch mixes adapters and the base model; adapters are loaded between steps (`between_steps`) or when a sequence
+first needs one.
 """
 
 from __future__ import annotations
@@ -34,18 +37,17 @@ import torch
 
 from rayrunner.engines.detokenizer import Detokenizer
 from rayrunner.engines.lora import LoraAdapters
-from rayrunner.engines.transformers.kv.kv_batch import BatchCache, mergeable, new_cache, plain_attention, recurrent
+from rayrunner.engines.transformers.kv.kv_batch import BatchCache, mergeable, plain_attention, recurrent
 from rayrunner.engines.transformers.kv.kv_memory import KvMemory
-from rayrunner.engines.transformers.kv.prefix_cache import LayerKV
 from rayrunner.engines.transformers.step.admission import Admission
 from rayrunner.engines.transformers.step.compute_thread import ComputeThread
 from rayrunner.engines.transformers.step.fast_decode import FastDecode
-from rayrunner.engines.transformers.step.kv_moves import KvMoves
-from rayrunner.engines.transformers.step.sampling import Logprob, logprobs_of, sample
+from rayrunner.engines.transformers.step.model_runner import ModelRunner, logits_width
+from rayrunner.engines.transformers.step.planner import Chunk, Group, KvState, Planner, Refuse, Room
 from rayrunner.engines.transformers.step.sequence import Sequence, events_of
 from rayrunner.errors import InvalidRequestError, ServerOverloadedError
 from rayrunner.models.spec import EngineSettings
-from rayrunner.openai.events import GenerationEvent, TokenLogprob
+from rayrunner.openai.events import GenerationEvent
 from rayrunner.openai.sampling_params import SamplingParams
 from rayrunner.runtime import metrics
 
@@ -53,6 +55,7 @@ logger = logging.getLogger(__name__)
 _REPORT_S = 0.5  # the running/queued gauges' refresh while busy
 STUCK_STEP_S = 300.0  # one step (a prefill chunk and a decode) taking longer than this means the engine is wedged
 T = TypeVar("T")
+Prefill = Group[Sequence] | Chunk[Sequence] | Refuse[Sequence] | None
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ def scheduler_limits(settings: EngineSettings) -> SchedulerLimits:
                            settings.kv_cache_bytes, settings.prefix_caching, settings.num_gpus)
 
 
-class StepScheduler(KvMoves):
+class StepScheduler:
     """Runs one model's sequences step by step in a daemon thread; `submit` may be called from any thread."""
 
     def __init__(self, model: Any, limits: SchedulerLimits, adapters: LoraAdapters | None = None,
@@ -80,25 +83,22 @@ class StepScheduler(KvMoves):
         self.model = model
         self.model_id = model_id
         self.adapters = adapters
-        self.fast_decode: FastDecode | None = None  # set by `start`, on the compute thread
         self.device = model.device
-        self.vocab_size = _logits_width(model)
+        self.vocab_size = logits_width(model)
         self.limits = limits
         shared = mergeable(model.config)
         self.max_running = limits.max_num_seqs if shared else 1
         if not shared:
             logger.warning("this model's KV cache cannot be shared by several sequences: one runs at a time")
-        states = recurrent(model.config)
-        self.admission = Admission(limits.prefill_chunk_tokens, adapters.max_adapters if adapters else None,
-                                   one_per_pass=states)
+        self.planner = Planner(Admission(limits.prefill_chunk_tokens, adapters.max_adapters if adapters else None,
+                                         one_per_pass=recurrent(model.config)))
         reuse = limits.prefix_caching and plain_attention(model.config)  # the prefix cache's blocks are plain layers
         self.memory = KvMemory(limits.kv_cache_bytes, self.device, reuse, limits.gpu_share)
-        self._found: dict[int, list[LayerKV]] = {}  # by id(sequence): cached blocks its prompt starts with
+        self.runner = ModelRunner(model, self.memory, adapters, self.active_adapters)
         self._cond = threading.Condition()
         self._waiting: collections.deque[Sequence] = collections.deque()
-        self._running: list[Sequence] = []
-        self._batch: BatchCache | None = None
-        self._chunking: tuple[Sequence, BatchCache] | None = None  # a long prompt being prefilled chunk by chunk
+        self._running: list[Sequence] = []  # row i of the runner's batch is `_running[i]`
+        self._chunking: Sequence | None = None  # a long prompt being prefilled chunk by chunk
         self._prefilling: list[Sequence] = []  # taken from the queue, not yet running
         self._jobs: collections.deque[tuple[Callable[[], Any], Future[Any]]] = collections.deque()
         self._closed = False
@@ -107,6 +107,15 @@ class StepScheduler(KvMoves):
         self._died_of: BaseException | None = None
         self._reported_at = 0.0
         self.steps = 0
+
+    @property
+    def fast_decode(self) -> FastDecode | None:
+        """The runner's fast decode step (None: the model's forward decodes)."""
+        return self.runner.fast_decode
+
+    @fast_decode.setter
+    def fast_decode(self, step: FastDecode | None) -> None:
+        self.runner.fast_decode = step
 
     # ------------------------------------------------------------ the request side
 
@@ -152,7 +161,7 @@ class StepScheduler(KvMoves):
     def _free_slots(self) -> int:
         """Sequence slots no admitted sequence holds (call with the lock held)."""
         held = len(self._running) + sum(s.slots for s in self._prefilling)
-        return self.max_running - held - (self._chunking[0].slots if self._chunking is not None else 0)
+        return self.max_running - held - (self._chunking.slots if self._chunking is not None else 0)
 
     def between_steps(self, fn: Callable[[], T]) -> Future[T]:
         """Run `fn` on the scheduler's thread before its next step (e.g. loading an adapter into the model)."""
@@ -170,7 +179,7 @@ class StepScheduler(KvMoves):
 
     def _admitted(self) -> list[Sequence]:
         """Running, being prefilled, or being chunked (call with the lock held)."""
-        return [*self._running, *self._prefilling, *([self._chunking[0]] if self._chunking else [])]
+        return [*self._running, *self._prefilling, *([self._chunking] if self._chunking is not None else [])]
 
     def start(self, compute: ComputeThread) -> None:
         """Run steps on `compute` whenever there is work (tests may instead call `step` themselves). The fast decode
@@ -214,16 +223,17 @@ class StepScheduler(KvMoves):
         with self._cond:
             everyone = [*self._admitted(), *self._waiting]
             self._running, self._prefilling, self._chunking, self._waiting = [], [], None, collections.deque()
+            self.runner.drop_chunk()
         for sequence in everyone:
             sequence.fail(exc)
 
     def _steps(self, compute: ComputeThread) -> None:
         while True:
             with self._cond:
-                if not (self._waiting or self._running or self._chunking or self._jobs):
+                if not self._has_work():
                     self._report_load(force=True)  # idle: the gauges say so
                     compute.cores.idle()  # the node's other engines may take its cores
-                while not (self._closed or self._waiting or self._running or self._chunking or self._jobs):
+                while not (self._closed or self._has_work()):
                     self._cond.wait()
                 if self._closed:
                     return
@@ -233,6 +243,9 @@ class StepScheduler(KvMoves):
                 self.step()
             self._step_started_at = None
             self._report_load()
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._chunking is not None or self._jobs)
 
     def _report_load(self, force: bool = False) -> None:
         """Running and queued sequences to the metrics, at most twice a second while busy."""
@@ -250,13 +263,8 @@ class StepScheduler(KvMoves):
         self._drop_cancelled()
         self._prefill()
         self._decode()
-        self._measure()
+        self.runner.measure()
         self.steps += 1
-
-    def _measure(self) -> None:
-        """Record what the KV caches hold after the step (the budget's figures, as measured)."""
-        caches = [c.cache for c in (self._batch, self._chunking[1] if self._chunking else None) if c is not None]
-        self.memory.measure(caches)
 
     def _run_jobs(self) -> None:
         while self._jobs:
@@ -271,168 +279,151 @@ class StepScheduler(KvMoves):
     def _drop_cancelled(self) -> None:
         with self._cond:
             self._waiting = collections.deque(s for s in self._waiting if not s.cancelled)
-            if self._chunking is not None and self._chunking[0].cancelled:
+            if self._chunking is not None and self._chunking.cancelled:
                 self._chunking = None
+                self.runner.drop_chunk()
         self._retire()
 
-    def _admit(self) -> list[Sequence]:
-        """Take the waiting sequences to prefill this step (`Admission`, within the KV budget): a group of whole
-        prompts (now `_prefilling`), or one prompt that starts `_chunking` (long, or starting from cached blocks)."""
-        if self._waiting and not self.memory.position_bytes:
-            self.memory.probe(self.model)
-        with self._cond:
-            self._find_prefixes()
-            count = self.admission.group(self._waiting, self._running, self._free_slots(), self._fits)
-            if count == 0 and self._waiting and not self._fits([self._waiting[0]], alone=True):
-                self._refuse(self._waiting.popleft())
-                return []
-            group = [self._waiting.popleft() for _ in range(count)]
-            if len(group) == 1 and self.admission.chunked(group[0]):
-                self._chunking = (group[0], self._chunk_cache(group[0]))
-                return []
-            self._prefilling = group
-        for sequence in group:
-            sequence.prefilled = 0  # a group is prefilled whole
-        return group
+    def _kv(self) -> KvState:
+        """The KV memory's figures now, for the planner."""
+        return KvState(self.memory.budget(), self.runner.batch_shape())
+
+    def _held_after_step(self) -> int:
+        return self.planner.held_after_step(self._kv(), self._chunking)
+
+    # ------------------------------------------------------------ prefill
 
     def _prefill(self) -> None:
-        if self._chunking is None:
-            group = self._admit()
-            if group:
-                self._guarded(group, lambda: self._prefill_group(group))
-                return
+        plan = self._plan_prefill()
+        if isinstance(plan, Refuse):
+            self._refuse(plan)
+        elif isinstance(plan, Group):
+            group = list(plan.sequences)
+            self._guarded(group, lambda: self._started(group, *self.runner.prefill_group(group)))
+        elif isinstance(plan, Chunk):
+            chunk = plan
+            self._guarded([chunk.sequence], lambda: self._prefill_chunk(chunk))
+
+    def _plan_prefill(self) -> Prefill:
+        """This step's prefill, as the planner has it: the next chunk of the prompt being chunked, else what starts
+        from the queue (taken from it under the lock, with the prefix blocks its candidates find)."""
         if self._chunking is not None:
-            sequence, cache = self._chunking
-            self._guarded([sequence], lambda: self._prefill_chunk(sequence, cache))
+            return self.planner.next_chunk(self._chunking)
+        if not self._waiting:
+            return None
+        self.runner.probe()
+        with self._cond:
+            candidates = list(self._waiting)[: max(self._free_slots(), 1)]
+            cached = self.runner.find_prefixes(candidates)
+            plan = self.planner.admit(candidates, cached, self._running, self._free_slots(), self._kv())
+            self._take(plan)
+        return plan
 
-    def _prefill_group(self, group: list[Sequence]) -> None:
-        """Prefill whole prompts as one left-padded batch, then sample each one's first token."""
-        length = max(len(s.prefill_ids) for s in group)
-        ids = torch.full((len(group), length), 0, dtype=torch.long, device=self.device)
-        mask = torch.zeros((len(group), length), dtype=torch.long, device=self.device)
-        for row, s in enumerate(group):
-            ids[row, length - len(s.prefill_ids):] = torch.tensor(s.prefill_ids, device=self.device)
-            mask[row, length - len(s.prefill_ids):] = 1
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = BatchCache(new_cache(self.model.config), mask)
-        extra = group[0].extra_inputs if len(group) == 1 else {}
-        scored = group[0].scores_prompt  # then the group is this one sequence, unpadded
-        logits = self._forward(group, ids, mask, positions, cache, extra, every_position=scored)
-        if scored:
-            self._score_prompt(group[0], logits[0], 0)
-        self._started(group, logits[:, -1, :], cache)
+    def _take(self, plan: Prefill) -> None:
+        """Take what `plan` starts from the head of the queue (call with the lock held)."""
+        if isinstance(plan, Refuse):
+            self._waiting.popleft()
+        elif isinstance(plan, Group):
+            for sequence in plan.sequences:
+                self._waiting.popleft()
+                sequence.prefilled = 0  # a group is prefilled whole
+            self._prefilling = list(plan.sequences)
+        elif isinstance(plan, Chunk):
+            sequence = self._waiting.popleft()
+            sequence.prefilled = plan.start  # the tokens found in the prefix cache, which its cache starts with
+            if plan.start and not sequence.resumed:
+                sequence.cached_tokens = plan.start
+            self._chunking = sequence
+            self.runner.start_chunk(sequence, plan.start)
 
-    def _prefill_chunk(self, sequence: Sequence, cache: BatchCache) -> None:
-        """Feed the next chunk of a long prompt (after the cached blocks it starts with); after the last one it
-        joins the running batch."""
-        start = sequence.prefilled
-        chunk = sequence.prefill_ids[start: start + self.limits.prefill_chunk_tokens]
-        ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(chunk), device=self.device).unsqueeze(0)
-        scored = sequence.scores_prompt
-        logits = self._forward([sequence], ids, cache.mask_with(len(chunk)), positions, cache,
-                               every_position=scored)
-        if scored:
-            self._score_prompt(sequence, logits[0], start)
-        sequence.prefilled += len(chunk)
-        if sequence.prefilled == len(sequence.prefill_ids):
-            self._started([sequence], logits[:, -1, :], cache)
+    def _refuse(self, plan: Refuse[Sequence]) -> None:
+        """A sequence that cannot fit the KV budget even alone: a prompt is refused (400); a resumed sequence (its
+        output grew it past the budget) ends with finish_reason `length`."""
+        sequence = plan.sequence
+        if sequence.resumed:
+            sequence.finish_length()
+            return
+        sequence.fail(InvalidRequestError(
+            f"the prompt's {len(sequence.prompt_ids)} tokens (x{sequence.slots} choices) need {plan.needed:,} bytes "
+            f"of KV cache, more than this model's budget of {self.memory.limit:,} (engine.kv_cache_bytes)",
+            param="messages"))
 
-    def _score_prompt(self, sequence: Sequence, logits: torch.Tensor, start: int) -> None:
-        """Logprobs of the prompt's tokens after `start` from the logits of the positions before them."""
-        targets = sequence.prompt_ids[start + 1: start + 1 + logits.shape[0]]
-        found = logprobs_of(logits[: len(targets)], targets, sequence.params.logprobs or 0)
-        if sequence.prompt_logprobs is None:  # the first token has nothing before it
-            sequence.prompt_logprobs = [TokenLogprob(sequence.detokenizer.token_text(sequence.prompt_ids[0]), None)]
-        sequence.prompt_logprobs.extend(sequence.token_logprob(f) for f in found)
+    def _prefill_chunk(self, chunk: Chunk[Sequence]) -> None:
+        """Feed the planned chunk of a long prompt; after the last one it joins the running batch."""
+        logits, cache = self.runner.prefill_chunk(chunk.sequence, chunk.start, chunk.end)
+        if chunk.last:
+            self._started([chunk.sequence], logits, cache)
 
     def _started(self, group: list[Sequence], logits: torch.Tensor, cache: BatchCache) -> None:
-        """Sequences whose prompt is in `cache`: their blocks go to the prefix cache, and each choice (a fork gets a
-        copy of its request's cache row) takes its first token and joins the running batch (making room for it)."""
-        for row, sequence in enumerate(group):
-            self._keep_prefix(sequence, cache, row)
-        rows = [row for row, s in enumerate(group) for _ in s.joining]
-        choices = [choice for s in group for choice in s.joining]
-        if len(choices) > len(group):
-            cache.keep(rows)
-            logits = logits[rows]
-        for choice in choices:
-            if choice.params.max_tokens == 0:
-                choice.finish_empty()
-        self._sample(choices, logits)
+        """Sequences whose prompt is in `cache`: their blocks go to the prefix cache, each choice takes its first
+        token, and they join the running batch once the planner's room is made."""
+        self.runner.keep_prefixes(list(enumerate(group)), cache, self._held_after_step)
+        choices = self.runner.first_tokens(group, logits, cache)
         with self._cond:
             self._prefilling, self._chunking = [], None
-        self._make_room(lambda: self._merged_bytes(cache))
-        if self._batch is None:
-            self._batch = cache
-        else:
-            self._batch.merge(cache)
+        self.runner.drop_chunk()  # a chunked prompt's cache is `cache`, which joins the batch
+        joining = self.runner.shape(cache)
+        self._make_room(lambda: self.planner.room_to_join(self._kv(), joining, self._running))
+        self.runner.join(cache)
         with self._cond:
             self._running.extend(choices)
         self._retire()
 
+    # ------------------------------------------------------------ decode and the KV moves
+
     def _decode(self) -> None:
-        self._make_room(self._bytes_after_step, finish_alone=True)
-        if self._batch is None or not self._running:
+        room = self._make_room(lambda: self.planner.room_for_step(self._kv(), self._running, self._chunking))
+        if self.runner.batch is None or not self._running:
             return
-        batch, running = self._batch, list(self._running)
-        ids = torch.tensor([[s.output_ids[-1]] for s in running], dtype=torch.long, device=self.device)
-
-        def run() -> None:
-            if self.fast_decode is not None and (self.adapters is None or self.adapters.peft is None):
-                logits = self.fast_decode.step(ids, batch)
-            else:
-                logits = self._forward(running, ids, batch.mask_with(1), batch.next_positions(), batch)
-            self._sample(running, logits[:, -1, :])
-
-        self._guarded(running, run)
+        running = list(self._running)
+        self._guarded(running, lambda: self.runner.decode(running, room.max_positions))
         self._retire()
 
-    def _sample(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
-        scored = [row for row, s in enumerate(sequences) if s.params.logprobs is not None]
-        raw = logits[scored].float() if scored else None  # a copy: the logits stage edits `logits` in place
-        tokens = sample(logits, [s.sampling_row(self.device) for s in sequences])
-        found: dict[int, Logprob] = {}
-        if raw is not None:
-            top = max(sequences[row].params.logprobs or 0 for row in scored)
-            found = dict(zip(scored, logprobs_of(raw, [tokens[row] for row in scored], top), strict=True))
-        for row, (sequence, token) in enumerate(zip(sequences, tokens, strict=True)):
-            if not sequence.done:
-                logprob = found.get(row)
-                if logprob is not None:
-                    logprob.top = logprob.top[: sequence.params.logprobs]
-                sequence.accept(token, logprob)
+    def _make_room(self, plan: Callable[[], Room[Sequence]]) -> Room[Sequence]:
+        """Carry out the planner's room for a move: prefix blocks give way, a sequence is preempted and the room
+        planned again while it says so; a sequence alone without room ends (`length`). The room it ends with."""
+        room = plan()
+        self.memory.evict(room.evict)
+        while room.preempt is not None:
+            self._preempt(room.preempt)
+            room = plan()
+            self.memory.evict(room.evict)
+        if room.finish is not None:
+            room.finish.finish_length()
+            self._retire()
+        return room
+
+    def _preempt(self, sequence: Sequence) -> None:
+        """Drop `sequence`'s cache; it waits at the head of the queue to be prefilled again."""
+        with self._cond:
+            if self._chunking is sequence:
+                self._chunking = None
+                self.runner.drop_chunk()
+            else:
+                index = self._running.index(sequence)
+                self._running.pop(index)
+                self.runner.drop_row(index)
+            sequence.prefilled = 0
+            self._waiting.appendleft(sequence)
+        self.memory.preemptions += 1
+        if self.model_id is not None:
+            metrics.preempted(self.model_id)
+        logger.info("KV budget full: a sequence of %d tokens is preempted (recomputed later)",
+                    len(sequence.prefill_ids))
 
     def _retire(self) -> None:
         """Drop finished and cancelled sequences from the running batch (their blocks go to the prefix cache)."""
         keep = [i for i, s in enumerate(self._running) if not s.done]
         if len(keep) == len(self._running):
             return
-        for row, sequence in enumerate(self._running):
-            if sequence.done and self._batch is not None:
-                self._keep_prefix(sequence, self._batch, row)
+        if self.runner.batch is not None:
+            done = [(row, s) for row, s in enumerate(self._running) if s.done]
+            self.runner.keep_prefixes(done, self.runner.batch, self._held_after_step)
         with self._cond:
             self._running = [self._running[i] for i in keep]
-        if not keep:
-            self._batch = None
-        elif self._batch is not None:
-            self._batch.keep(keep)
+        self.runner.keep_rows(keep)
 
-    def _forward(self, rows: list[Sequence], ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 cache: BatchCache, extra: dict[str, torch.Tensor] | None = None, every_position: bool = False
-                 ) -> torch.Tensor:
-        """Run the model over `ids` (row i of sequence `rows[i]`, with its adapter), appending to `cache`; the
-        logits [rows, positions, vocab] of each row's last position, or of every position."""
-        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "cache": cache.cache,
-                  "logits_to_keep": 0 if every_position else 1, **(extra or {})}
-        if self.adapters is None:
-            out = self.model(**inputs)
-        else:
-            out = self.adapters.forward([s.adapter for s in rows], self.active_adapters(), **inputs)
-        cache.grew(mask)
-        return out.logits
-
-    def _guarded(self, sequences: list[Sequence], work: Any) -> None:
+    def _guarded(self, sequences: list[Sequence], work: Callable[[], None]) -> None:
         """Run one piece of model work; if it raises, the sequences it served fail with the error (others go on)."""
         for s in sequences:
             s.started_at = s.started_at or time.perf_counter()
@@ -444,17 +435,7 @@ class StepScheduler(KvMoves):
                 s.fail(exc)
             with self._cond:
                 self._prefilling = [s for s in self._prefilling if s not in sequences]
-                if self._chunking is not None and self._chunking[0] in sequences:
+                if self._chunking is not None and self._chunking in sequences:
                     self._chunking = None
+                    self.runner.drop_chunk()
             self._retire()
-
-
-def _logits_width(model: Any) -> int:
-    """How many logits a step gives: the output head's width (quantized heads keep `out_features`; padded
-    vocabularies make it differ from the tokenizer's size), else the config's vocabulary."""
-    head = model.get_output_embeddings()
-    width = getattr(head, "out_features", None)
-    if width is None:
-        config = model.config
-        width = getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
-    return int(width)
