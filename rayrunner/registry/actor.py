@@ -10,10 +10,11 @@ unloaded model all wait on the same load. After a restart the actor reads its fi
 against what Serve is actually running. Every saved change also bumps a version that routers long-poll
 (`routing_table`), so they route without asking the registry per request.
 
-Capacity (`max_loaded_models`, `max_loaded_bytes`) and the keep_alive timer are the registry's `Evictor`
-(`rayrunner.registry.evictor`), which evicts idle models through the registry's own unload. Both know use from the
-routers' batched `report_usage` calls: each router replica counts its open requests per model and sends its counts
-and last-use times at most every half second, never per request.
+What is done to a model's Serve app (deploy, wake, rescale, unload, clean up a failed load) is the registry's
+`AppDriver` (`rayrunner.registry.app_driver`). Capacity (`max_loaded_models`, `max_loaded_bytes`) and the keep_alive
+timer are its `Evictor` (`rayrunner.registry.evictor`), which evicts idle models through the driver's unload. Both
+know use from the routers' batched `report_usage` calls: each router replica counts its open requests per model and
+sends its counts and last-use times at most every half second, never per request.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 import uuid
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import ray
 
@@ -37,12 +38,11 @@ from rayrunner.errors import (
     ModelReloadingError,
     ModelRemovingError,
     UnplaceableModelError,
-    as_rayrunner_error,
     unwrap,
 )
 from rayrunner.models import load_progress
 from rayrunner.models.keep_alive import KeepAlive
-from rayrunner.models.spec import ModelSpec
+from rayrunner.registry.app_driver import AppDriver, LoadMode
 from rayrunner.registry.config import RegistryConfig
 from rayrunner.registry.evictor import Evictor
 from rayrunner.registry.lifecycle import PHASES, Phase
@@ -57,7 +57,6 @@ NAMESPACE = "rayrunner"
 DEFAULT_APP = "rayrunner"
 
 logger = logging.getLogger(__name__)
-LoadMode = Literal["deploy", "adopt", "replace"]
 
 
 class Registry:
@@ -76,7 +75,9 @@ class Registry:
         self._changes = 0
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
-        self.evictor = Evictor(self.state, self.config, self.apps, lock=self._lock, unload=self._unload,
+        self.driver = AppDriver(self.config, self.apps, persist=self._persist,  # late-bound: the evictor is built next
+                                stop_sleepers=lambda record: self.evictor.stop_sleepers_for(record))
+        self.evictor = Evictor(self.state, self.config, self.apps, lock=self._lock, unload=self.driver.unload,
                                loading=self._loads, spawn=self._spawn)
 
     # ------------------------------------------------------------ start-up
@@ -84,7 +85,7 @@ class Registry:
     async def bootstrap(self, config: dict[str, Any]) -> list[str]:
         """Apply the config (it wins for the models it declares; see `RegistryState.apply_config`), then settle
         every model against Serve. Returns what changed, as logged."""
-        self.config = self.evictor.config = RegistryConfig.model_validate(config)
+        self.config = self.evictor.config = self.driver.config = RegistryConfig.model_validate(config)
         self.state.settings = self.config.model_dump(mode="json", exclude={"models", "default_model", "auth"})
         changes = self.state.apply_config(self.config.models, self.config.default_model)
         for line in changes.log:
@@ -121,7 +122,7 @@ class Registry:
             state = await self.apps.state(record.spec.app_name)
             running = state.running >= 1 and state.deployment_status == "HEALTHY"
             starting = state.exists and state.deployment_status not in ("HEALTHY", "DEPLOY_FAILED", "UNHEALTHY")
-            if (running or starting) and model_id in respecified and not await self._runs_spec(record.spec):
+            if (running or starting) and model_id in respecified and not await self.driver.runs_spec(record.spec):
                 record.observe(Phase.LOADED)
                 if running and model_id in rescaled:
                     self._spawn(self._rescale(record))
@@ -141,15 +142,6 @@ class Registry:
             else:
                 record.observe(Phase.FAILED if record.phase == Phase.FAILED else Phase.STOPPED)
         self._persist()
-
-    async def _runs_spec(self, spec: ModelSpec) -> bool:
-        """Whether the model's app was deployed (by a config) with exactly `spec`; unknown counts as no."""
-        try:
-            args = await self.apps.deployed_args(spec.app_name)
-            return args is not None and ModelSpec.model_validate(args) == spec
-        except Exception:
-            logger.warning("`%s`: cannot read the spec its app runs; redeploying it", spec.model_id, exc_info=True)
-            return False
 
     # ------------------------------------------------------------ queries
 
@@ -172,20 +164,12 @@ class Registry:
 
     async def cards(self) -> list[dict[str, Any]]:
         await self._ensure_reconciled()
-        replicas = await self._replica_counts()
+        replicas = await self.driver.replica_counts()
         return [self._card(mid, replicas) for mid in self.state.models]
 
     async def card(self, name: str) -> dict[str, Any]:
         await self._ensure_reconciled()
-        return self._card(self.state.resolve(name), await self._replica_counts())
-
-    async def _replica_counts(self) -> dict[str, dict[str, int]]:
-        """Each model app's replicas (running, starting, target); none when Serve cannot tell right now."""
-        try:
-            return await self.apps.replica_counts()
-        except Exception:
-            logger.warning("replica counts unavailable", exc_info=True)
-            return {}
+        return self._card(self.state.resolve(name), await self.driver.replica_counts())
 
     async def status(self, name: str) -> str:
         await self._ensure_reconciled()
@@ -195,7 +179,7 @@ class Registry:
         return self.state.default_id
 
     def _card(self, model_id: str, replicas: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
-        """The model's card; with `replicas` (Serve's counts per app, `_replica_counts`), its own among them."""
+        """The model's card; with `replicas` (Serve's counts per app, `driver.replica_counts`), its own among them."""
         record = self.state.models[model_id]
         card = record.model_dump(mode="json")
         host = self.state.host_of(model_id)
@@ -251,7 +235,7 @@ class Registry:
             self._check_current(record)
             self._check_unloadable(record, mode)  # again: another unload may have run while this one waited
             # the default stays here: a request for `default` reloads it
-            await self._unload(record, "user", mode)
+            await self.driver.unload(record, "user", mode)
         return self._card(requested)
 
     @staticmethod
@@ -332,7 +316,7 @@ class Registry:
         self._persist()
         if record.status == "loaded":
             await self._rescale(record)
-        return self._card(record.spec.model_id, await self._replica_counts())  # the target moved already
+        return self._card(record.spec.model_id, await self.driver.replica_counts())  # the target moved already
 
     async def add_alias(self, model_id: str, alias: str) -> dict[str, Any]:
         await self._ensure_reconciled()
@@ -394,45 +378,23 @@ class Registry:
                 self._persist()
             started = time.monotonic()
             try:
-                record.info, deployed_at = await self._replica_up(record, mode)
+                record.info, deployed_at = await self.driver.replica_up(record, mode)
                 record.estimated_bytes = None  # estimated again from the measured weights
                 await self.evictor.footprint(record)
             except Exception as exc:
-                await self._fail_load(record, exc)
+                await self.driver.fail_load(record, exc)
                 refused = unwrap(exc)
                 if isinstance(refused, UnplaceableModelError):  # no node can hold it: a 400, not a load failure
                     raise refused from None
                 raise ModelLoadError(record.last_error or str(exc)) from None
-            record.move(Phase.LOADED)
-            record.loaded_at = time.time()
-            record.load_seconds = time.monotonic() - started
-            record.last_error = None
-            record.unloaded_reason = None
-            record.load_count += 1
+            seconds = time.monotonic() - started
+            record.mark_loaded(seconds)
             self._persist()
             how = "adopted" if mode == "adopt" else "woken" if deployed_at is None else "started"
-            logger.info("loaded `%s` (%s, %.2f s)", spec.model_id, how, record.load_seconds)
-            metrics.model_loaded(spec.model_id, record.load_seconds, record.info.get("weight_bytes"))
+            logger.info("loaded `%s` (%s, %.2f s)", spec.model_id, how, seconds)
+            metrics.model_loaded(spec.model_id, seconds, record.info.get("weight_bytes"))
             if deployed_at is not None or mode == "adopt":  # the next replica on that node starts in a warm worker
                 self._spawn(self.apps.after_load(spec.app_name, deployed_at, self.config.warm_spares))
-
-    async def _replica_up(self, record: ModelRecord, mode: LoadMode) -> tuple[dict[str, Any], float | None]:
-        """Bring the model's replica up by `mode`: its info, and the wall time of a fresh deploy (None for a wake or
-        an adoption, which start no worker)."""
-        app = record.spec.app_name
-        if mode == "replace":
-            await self.apps.delete(app)
-        if mode == "deploy" and record.unload_mode == "sleep" and await self.apps.asleep(app):
-            woken = await asyncio.wait_for(self.apps.wake(app), self.config.load_timeout_s)
-            return woken, None  # the replica answered: it runs, and wake answers its info
-        if mode == "adopt":
-            await self.apps.wait_loaded(app, self.config.load_timeout_s)
-            return await self.apps.info(app), None
-        await self.evictor.stop_sleepers_for(record)
-        deployed_at = time.time()
-        record.deployed_version = uuid.uuid4().hex
-        await self._bring_up(record.spec, record.deployed_version)
-        return await self.apps.new_replica_info(app, deployed_at, self.config.load_timeout_s), deployed_at
 
     async def _rescale(self, record: ModelRecord) -> None:
         """Deploy a running model's new replica count or routing as the version that runs, with the same replica
@@ -441,62 +403,7 @@ class Registry:
         async with self._lock(record.spec.model_id):
             if record.status != "loaded":
                 return  # unloaded meanwhile: the next load deploys the new count
-            logger.info("rescaling `%s` in place to %s", record.spec.model_id,
-                        record.spec.engine.serve_options())
-            await self._bring_up(record.spec, record.deployed_version)
-
-    async def _unload(self, record: ModelRecord, reason: str, mode: UnloadMode) -> None:
-        """Unload by `mode` (caller holds the lock). Sleep: the replica drains, frees its weights and stays."""
-        if mode == "stop":
-            await self._scale_down(record, reason)
-            return
-        self._mark_unloaded(record, reason, "sleep")
-        try:
-            record.info = await self.apps.sleep(record.spec.app_name)
-        except Exception:
-            logger.exception("`%s` could not sleep: stopping it instead", record.spec.model_id)
-            await self._scale_down(record, reason)
-            return
-        self._persist()
-
-    def _mark_unloaded(self, record: ModelRecord, reason: str, mode: UnloadMode) -> None:
-        record.move(Phase.ASLEEP if mode == "sleep" else Phase.STOPPED)
-        record.unloaded_reason = reason
-        record.request_keep_alive = None
-        metrics.model_unloaded(record.spec.model_id, reason, mode)
-        self._persist()
-
-    async def _scale_down(self, record: ModelRecord, reason: str) -> None:
-        """Unload (caller holds the model's lock): `unloaded` at once, then the replicas drain and exit. An
-        autoscaled model's app is deleted instead (Serve's autoscaler would scale it back to its minimum); the next
-        load deploys it again, as after any stop."""
-        self._mark_unloaded(record, reason, "stop")
-        if record.spec.engine.autoscaling_config is not None:
-            await asyncio.wait_for(self.apps.delete(record.spec.app_name), self.config.unload_timeout_s)
-        else:
-            await self.apps.scale_to_zero(record.spec.app_name, self.config.unload_timeout_s)
-        record.info = {}
-        self._persist()
-
-    async def _bring_up(self, spec: ModelSpec, version: str | None) -> None:
-        # A load is a fresh deploy (a new version), not a scale-up: Serve reports a broken constructor of a new
-        # deployment version as DEPLOY_FAILED at once, while a failing scale-up of an old one retries forever.
-        await asyncio.wait_for(self.apps.deploy(spec, version), self.config.load_timeout_s)
-
-    async def _fail_load(self, record: ModelRecord, exc: BaseException) -> None:
-        """Never leave a model stuck: back to `unloaded`, the cause in `last_error`, no half-started app."""
-        error = as_rayrunner_error(exc)
-        metrics.model_load_failed(record.spec.model_id)
-        record.move(Phase.FAILED)
-        record.last_error = ModelLoadError(error.message).message
-        record.info = {}
-        self._persist()
-        # The app may never have been created; the record is already consistent either way.
-        try:
-            await self.apps.delete(record.spec.app_name)
-        except Exception:
-            logger.warning("`%s`: its failed app could not be deleted", record.spec.model_id, exc_info=True)
-        load_progress.clear(record.spec.app_name)  # after the delete: a replica still loading wrote until then
+            await self.driver.rescale(record)
 
     def _persist(self) -> None:
         self.state.save(self.path)

@@ -117,6 +117,27 @@ class ModelRecord(BaseModel):
         if self.status != "reloading":  # a load keeps how the model was unloaded: a sleeping replica is woken
             self.unload_mode = unload_mode(phase)
 
+    def mark_loaded(self, load_seconds: float) -> None:
+        """A load finished: `loaded`, timed and counted, with the last failure and unload reason cleared."""
+        self.move(Phase.LOADED)
+        self.loaded_at = time.time()
+        self.load_seconds = load_seconds
+        self.last_error = None
+        self.unloaded_reason = None
+        self.load_count += 1
+
+    def mark_unloaded(self, reason: str, mode: UnloadMode) -> None:
+        """Unloaded by `mode` for `reason`. The last request's keep_alive applied to the load that ends here."""
+        self.move(Phase.ASLEEP if mode == "sleep" else Phase.STOPPED)
+        self.unloaded_reason = reason
+        self.request_keep_alive = None
+
+    def mark_failed(self, error: str) -> None:
+        """A load failed: `error` in `last_error`, and the info of no replica."""
+        self.move(Phase.FAILED)
+        self.last_error = error
+        self.info = {}
+
     def configure(self, entry: ModelEntry) -> None:
         """Take the entry's pinned and keep_alive where it sets them."""
         if entry.pinned is not None:
