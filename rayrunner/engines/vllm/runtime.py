@@ -22,7 +22,7 @@ from rayrunner.models.spec import EngineSettings
 from rayrunner.runtime import transport
 
 PYTHON_ENV_VAR = "RAYRUNNER_VLLM_PYTHON"
-CHECKOUT = Path(__file__).resolve().parents[2]  # the source checkout, when rayrunner runs from one
+CHECKOUT = Path(__file__).resolve().parents[3]  # the source checkout, when rayrunner runs from one
 
 
 def checkout_venv(checkout: Path = CHECKOUT) -> Path | None:
