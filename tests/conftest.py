@@ -43,6 +43,20 @@ def free_port() -> int:
     raise RuntimeError("no free port found")
 
 
+# The slow tier, marked here so no test has to remember it: everything in these folders (Serve over a cluster, or
+# every architecture family on a model), and every test on the session's cluster. In-process tests that load a real
+# model carry `@pytest.mark.slow` themselves. `bash scripts/test.sh --fast` runs the rest (`-m "not slow"`).
+SLOW_FOLDERS = ("integration", "families")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        folder = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
+        if folder in SLOW_FOLDERS or "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tests.tiny_models import build_tiny_llama

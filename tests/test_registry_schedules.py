@@ -130,6 +130,7 @@ ALLOWED = {"ok", "CapacityError", "ModelReloadingError", "ModelAlreadyUnloadedEr
            "ModelNotFoundError", "ModelExistsError"}
 
 
+@pytest.mark.slow
 async def test_random_schedules_past_the_cap_always_make_progress(tmp_path: Path) -> None:
     served = 0
     # the state file on a memory file system where there is one: each change is fsynced, ~15 ms on this disk

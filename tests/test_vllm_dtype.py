@@ -7,6 +7,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.integration.test_vllm_backend import VENV, vllm_venv_ready
 from tests.tiny_models import build_tiny_llama
 
@@ -24,6 +26,7 @@ for folder in sys.argv[1:]:
 AUTO = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}
 
 
+@pytest.mark.slow  # vLLM's interpreter imports vLLM (~10 s)
 def test_auto_is_the_configs_dtype_and_an_asked_one_wins(tmp_path: Path) -> None:
     vllm_venv_ready()
     folders = []

@@ -118,6 +118,7 @@ def test_a_model_a_config_deployed_gets_a_spare_unless_one_waits(started: list[s
     assert started == ["n1", "n2"]
 
 
+@pytest.mark.slow  # a fresh interpreter imports the whole model stack
 def test_a_replica_worker_preloads_the_model_server() -> None:
     """The import a model replica's worker runs as it starts (rayrunner.runtime.preload with RAYRUNNER_PRELOAD=1)
     gets through to the model server: rayrunner's __init__ imports warm_workers, which once imported worker_preload

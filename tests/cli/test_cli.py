@@ -205,6 +205,7 @@ def test_the_installed_console_script(service: Service) -> None:
     assert (missing.returncode, missing.stdout, missing.stderr) == (1, "", "error: model `alhpa` was not found\n")
 
 
+@pytest.mark.slow  # starts `serve run`
 def test_serve_runs_ray_serves_own_serve_run() -> None:
     absent = subprocess.run([str(SCRIPT), "serve", "no-such-config.yaml"], capture_output=True, text=True,
                             timeout=120)

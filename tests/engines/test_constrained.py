@@ -312,6 +312,7 @@ async def _replies(engine: TextEngine, requests: list[ChatCompletionRequest], te
     return await asyncio.gather(*(reply(request, seed) for request, seed in zip(requests, seeds, strict=True)))
 
 
+@pytest.mark.slow
 async def test_the_greedy_replies_that_ran_away_now_end(smollm2: TextEngine) -> None:
     """Greedy SmolLM2 looped `"1984"\\n\\n: "1984"\\n\\n,...` on this json_object request and ran to max_tokens
     inside a string (`"A.A.A.A...`) on the openai SDK's Book prompt (as vLLM does); with the defaults both end."""
@@ -325,6 +326,7 @@ async def test_the_greedy_replies_that_ran_away_now_end(smollm2: TextEngine) -> 
     jsonschema.validate(json.loads(text), strict)
 
 
+@pytest.mark.slow
 async def test_sampled_replies_all_validate(smollm2: TextEngine) -> None:
     request = _request(_schema_format(EMPLOYEE), "Describe a fictional employee as JSON with name, age, role and "
                        "skills.")
@@ -333,6 +335,7 @@ async def test_sampled_replies_all_validate(smollm2: TextEngine) -> None:
         jsonschema.validate(json.loads(text), EMPLOYEE)
 
 
+@pytest.mark.slow
 async def test_json_object_replies_parse_to_objects(smollm2: TextEngine) -> None:
     request = _request({"type": "json_object"}, "What is the capital of France? Answer as a JSON object with the "
                        "keys country and capital.")
@@ -404,6 +407,7 @@ def test_a_forced_call_cut_short_still_has_valid_arguments(smollm2: TextEngine, 
     jsonschema.validate(json.loads(call.arguments), PYDANTIC_BOOK)
 
 
+@pytest.mark.slow
 async def test_json_object_replies_cut_by_max_tokens_still_parse(smollm2: TextEngine) -> None:
     """At temperature 1.0 a json_object reply about a cat ran past max_tokens inside a long string value; now every
     reply closes its JSON within the budget."""
@@ -414,6 +418,7 @@ async def test_json_object_replies_cut_by_max_tokens_still_parse(smollm2: TextEn
         assert isinstance(json.loads(text), dict), text
 
 
+@pytest.mark.slow
 async def test_forced_calls_cut_by_max_tokens_still_validate(smollm2: TextEngine) -> None:
     request = _request(tools=[FINAL_RESULT], tool_choice="required", prompt=BOOK_PROMPT)
     replies = smollm2.tool_replies(request)

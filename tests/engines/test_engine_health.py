@@ -41,6 +41,7 @@ async def test_a_dead_step_loop_fails_the_health_check(server: ModelServer) -> N
         server.check_health()
 
 
+@pytest.mark.slow
 async def test_a_stuck_step_fails_the_health_check(server: ModelServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scheduler_module, "STUCK_STEP_S", 0.5)
     engine = server.slot.engine

@@ -90,6 +90,7 @@ def _llava(folder: Path) -> torch.nn.Module:
     return AutoModelForImageTextToText.from_pretrained(build_tiny_llava(folder), dtype=torch.float32).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "llava"])
 def test_float32_step_matches_transformers_forward(tiny_llama_dir: str, tmp_path: Path, kind: str) -> None:
     model = {"llama": lambda: _model(tiny_llama_dir, torch.float32), "qwen3": _qwen3,
@@ -120,6 +121,7 @@ def test_step_on_cuda_matches_transformers_forward(tiny_llama_dir: str, dtype: t
         assert _relative(got_logits, want_logits) < (1e-4 if dtype == torch.float32 else 0.02)
 
 
+@pytest.mark.slow
 def test_int8_weights_share_one_tensor_per_layer_and_decode_alike(tiny_llama_dir: str) -> None:
     model = _model(tiny_llama_dir, torch.bfloat16, "Q8_0")
     want, _ = _decode(model, None, steps=4)
@@ -139,6 +141,7 @@ def test_int8_weights_share_one_tensor_per_layer_and_decode_alike(tiny_llama_dir
     assert [step.argmax(-1).tolist() for step in got] == [step.argmax(-1).tolist() for step in want]
 
 
+@pytest.mark.slow
 def test_parked_and_restored_weights_keep_their_sharing(tiny_llama_dir: str, tmp_path: Path) -> None:
     model = _model(tiny_llama_dir, torch.bfloat16, "Q8_0")
     fast = FastDecode.for_model(model)

@@ -53,6 +53,7 @@ def _prompts(count: int, length: int) -> list[list[int]]:
     return [[(31 * t + 7 * i) % 4000 + 10 for t in range(length)] for i in range(count)]
 
 
+@pytest.mark.slow
 def test_eight_requests_of_1000_tokens_in_a_2000_token_budget(model: Any, tokenizer: Any,
                                                               loop: asyncio.AbstractEventLoop) -> None:
     budget = 2000 * _position_bytes(model)

@@ -83,6 +83,7 @@ def test_a_mixed_batch_gives_each_row_its_adapters_logits(adapters: dict[str, st
     assert (alone[0] - plain[0]).abs().max() > 1 and (alone[2] - plain[0]).abs().max() > 1
 
 
+@pytest.mark.slow
 async def test_adapter_reply_differs_from_the_base_and_equals_peft(engine: TextEngine,
                                                                    adapters: dict[str, str]) -> None:
     await engine.load_adapter("alpha", adapters["alpha"])
@@ -113,6 +114,7 @@ def test_a_lora_spec_serves_its_adapter_by_default(adapters: dict[str, str]) -> 
         engine.close()
 
 
+@pytest.mark.slow
 async def test_base_and_adapters_interleave_in_one_batch_without_reloading(engine: TextEngine,
                                                                             adapters: dict[str, str]) -> None:
     for name in ("alpha", "beta"):
@@ -127,6 +129,7 @@ async def test_base_and_adapters_interleave_in_one_batch_without_reloading(engin
     assert engine.scheduler.stats()["steps"] - steps < 2 * 12  # decoded together, not one request after another
 
 
+@pytest.mark.slow
 async def test_at_most_max_adapters_stay_loaded_least_recently_used_evicted(engine: TextEngine,
                                                                              adapters: dict[str, str]) -> None:
     await engine.load_adapter("alpha", adapters["alpha"])
@@ -141,6 +144,7 @@ async def test_at_most_max_adapters_stay_loaded_least_recently_used_evicted(engi
     assert await _chat(engine, PROMPTS[0], "alpha") == first_a
 
 
+@pytest.mark.slow
 async def test_unknown_adapters_and_folders_are_refused(engine: TextEngine, tmp_path: Path) -> None:
     with pytest.raises(InvalidRequestError, match="not loaded"):
         await _chat(engine, PROMPTS[0], "nope")
@@ -153,6 +157,7 @@ async def test_unknown_adapters_and_folders_are_refused(engine: TextEngine, tmp_
         await _chat(engine, PROMPTS[0], "broken")
 
 
+@pytest.mark.slow
 async def test_a_new_adapter_waits_while_max_adapters_others_run(engine: TextEngine, adapters: dict[str, str]) -> None:
     for name in ("alpha", "beta", "gamma"):
         await engine.load_adapter(name, adapters[name])
@@ -169,6 +174,7 @@ async def test_a_new_adapter_waits_while_max_adapters_others_run(engine: TextEng
     assert len(engine.adapters.loaded) == 2
 
 
+@pytest.mark.slow
 async def test_the_model_server_reads_the_adapter_from_the_body(engine: TextEngine, adapters: dict[str, str]) -> None:
     assert await _request_adapter(engine, {"model": "x"}) is None
     body = {"adapter": "delta", "adapter_source": adapters["beta"]}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rayrunner.engines.transformers.step.sampling import (
@@ -79,6 +80,7 @@ def test_penalties_push_away_from_seen_tokens() -> None:
     assert sample(logits.clone(), [_row(prompt=[3], presence_penalty=0.5)]) == [3]  # OpenAI's: output only
 
 
+@pytest.mark.slow
 def test_draws_follow_the_distribution_past_the_candidates() -> None:
     """A near-flat distribution over more tokens than the candidate window (the 512 most likely, ids 0-511 here):
     the tail past the window is drawn exactly as often as its mass says, and a wide nucleus is not cut at the

@@ -68,16 +68,19 @@ async def _busy(engine: TextEngine, text: str, **settings: Any) -> str:
     return await mine
 
 
+@pytest.mark.slow
 async def test_greedy_reply_is_the_same_alone_and_inside_a_busy_batch(smollm2: TextEngine) -> None:
     alone = await _reply(smollm2, "What is the capital of France?")
     assert "Paris" in alone
     assert await _busy(smollm2, "What is the capital of France?") == alone
 
 
+@pytest.mark.slow
 def test_smollm2_decodes_with_the_fast_step(smollm2: TextEngine) -> None:
     assert smollm2.scheduler.fast_decode is not None  # a Llama: `fast_decode` covers it
 
 
+@pytest.mark.slow
 async def test_seeded_reply_is_the_same_alone_and_batched() -> None:
     """In float32: bf16 kernels round a row differently inside a padded batch, and a sampled reply (unlike a greedy
     one, whose margins are wide) can then take another path at a near-tie between two candidates."""
@@ -92,6 +95,7 @@ async def test_seeded_reply_is_the_same_alone_and_batched() -> None:
         engine.close()
 
 
+@pytest.mark.slow
 async def test_a_cancelled_stream_stops_costing_steps(smollm2: TextEngine) -> None:
     stream = smollm2.chat(_chat(STORIES[0]), SamplingParams(max_tokens=2000))
     await anext(stream)
@@ -121,6 +125,7 @@ async def test_a_full_queue_refuses_with_429() -> None:
         engine.close()
 
 
+@pytest.mark.slow
 def test_a_long_prompt_is_prefilled_one_chunk_per_step(tiny_llama_dir: str) -> None:
     """While a long prompt is prefilled, the running sequence still gains a token at every step."""
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
@@ -145,6 +150,7 @@ def test_a_long_prompt_is_prefilled_one_chunk_per_step(tiny_llama_dir: str) -> N
     loop.close()
 
 
+@pytest.mark.slow
 def test_joining_and_leaving_keeps_each_sequence_exact(tiny_llama_dir: str) -> None:
     """Float32 tiny model: sequences joining a running batch at different steps decode exactly as alone."""
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
@@ -177,6 +183,7 @@ async def _answer(engine: TextEngine, **fields: Any) -> Any:
     return await replies.chat_response("m", events, request)
 
 
+@pytest.mark.slow
 async def test_ignore_eos_runs_every_choice_to_max_tokens(smollm2: TextEngine) -> None:
     short = await _answer(smollm2, max_tokens=24)
     assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 16
@@ -193,6 +200,7 @@ async def test_ignore_eos_runs_every_choice_to_max_tokens(smollm2: TextEngine) -
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens < 20
 
 
+@pytest.mark.slow
 async def test_min_tokens_holds_back_eos_and_stop_strings(smollm2: TextEngine) -> None:
     short = (await _answer(smollm2, max_tokens=24)).choices[0].message.content
     assert "Paris" in short
@@ -207,6 +215,7 @@ async def test_min_tokens_holds_back_eos_and_stop_strings(smollm2: TextEngine) -
     assert kept.choices[0].message.content == short[: short.index("Paris") + len("Paris")]
 
 
+@pytest.mark.slow
 async def test_a_logit_bias_past_the_vocabulary_is_a_400_and_the_engine_keeps_serving(smollm2: TextEngine) -> None:
     vocab = smollm2.model.get_output_embeddings().weight.shape[0]
     with pytest.raises(InvalidRequestError, match=f"token id {vocab} .* {vocab} tokens") as caught:

@@ -14,6 +14,7 @@ from rayrunner.openai import replies
 from rayrunner.openai.sampling_params import sampling_params
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
 
+pytestmark = pytest.mark.slow  # every test loads SmolLM2
 QUESTION = [{"role": "user", "content": "Name a color."}]
 
 

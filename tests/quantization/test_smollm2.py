@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rayrunner.models.sources import SMOLLM2, resolve
 from rayrunner.quantization import quantize_model, weight_bytes
 
+pytestmark = pytest.mark.slow  # loads and quantizes SmolLM2
+
 
 @pytest.fixture(scope="module")
 def folder() -> str:
