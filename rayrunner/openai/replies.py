@@ -118,6 +118,9 @@ async def chat_chunks(model: str, events: AsyncIterator[GenerationEvent], reques
     asks for it."""
     chunk_id = _new_id("chatcmpl")
     n = request.n or 1
+    # The role chunks wait for the engine's first event (as vLLM's do): an error before the first token (a prompt
+    # past the KV budget) then reaches the client as its own status, not in-band after a 200.
+    events = _started(await anext(aiter(events), None), events)
     for index in range(n):
         yield ChatCompletionChunk(id=chunk_id, model=model,
                                   choices=[ChunkChoice(index=index, delta=Delta(role="assistant"))])
@@ -140,6 +143,15 @@ async def chat_chunks(model: str, events: AsyncIterator[GenerationEvent], reques
             yield ChatCompletionChunk(id=chunk_id, model=model, choices=[final], usage=usage)
     if _usage_apart(request):
         yield ChatCompletionChunk(id=chunk_id, model=model, choices=[], usage=usage_of(finals))
+
+
+async def _started(first: GenerationEvent | None, rest: AsyncIterator[GenerationEvent]
+                   ) -> AsyncIterator[GenerationEvent]:
+    if first is None:
+        return
+    yield first
+    async for event in rest:
+        yield event
 
 
 def _usage_apart(request: ChatCompletionRequest | CompletionRequest) -> bool:

@@ -202,9 +202,6 @@ async def test_an_error_before_the_first_chunk_is_raised_with_its_status_and_not
     assert await registry.settled() == {} and replica.sequences == 0
 
 
-@pytest.mark.xfail(strict=True, reason="the replica's first chunk is the role chunk, sent before the engine's first "
-                   "event: an engine error there (the scheduler's KV-budget refusal of a prompt) reaches a streaming "
-                   "client in-band after a 200, not as a 400")
 async def test_an_engine_error_before_its_first_token_keeps_its_status(monkeypatch: pytest.MonkeyPatch,
                                                                        replica: ModelServer, script: Script) -> None:
     service, _ = router_service(monkeypatch, Handle([replica]))
