@@ -1,0 +1,1 @@
+"""vLLM's engine inside a replica, and the interpreter it runs in."""
