@@ -8,8 +8,10 @@ from typing import Any
 from rayrunner.engines.transformers.step.admission import Admission
 
 
-@dataclass
+@dataclass(eq=False)  # two sequences alike are still two (the planner's tests compare by identity)
 class Seq:
+    """A waiting sequence as admission and the planner see it: `length` prompt tokens, no model."""
+
     length: int
     forks: int = 0
     adapter: str | None = None

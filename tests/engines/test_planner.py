@@ -7,35 +7,16 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 
 from rayrunner.engines.transformers.kv.kv_budget import MIN_ROOM, BatchShape, KvBudget, grown
 from rayrunner.engines.transformers.step.admission import Admission
 from rayrunner.engines.transformers.step.planner import Chunk, Group, KvState, Planner, Refuse, Room
+from tests.engines.test_admission import Seq
 
 POSITION = 10  # bytes of one cached position of one row
 ROOMY = KvState(KvBudget(limit=10**9, position_bytes=POSITION))
-
-
-@dataclass(eq=False)
-class Seq:
-    length: int
-    forks: int = 0
-    adapter: str | None = None
-    extra_inputs: dict[str, Any] = field(default_factory=dict)
-    scores_prompt: bool = False
-    prefilled: int = 0
-
-    @property
-    def prefill_ids(self) -> list[int]:
-        return [0] * self.length
-
-    @property
-    def slots(self) -> int:
-        return 1 + self.forks
 
 
 def planner(chunk_tokens: int = 512, max_adapters: int | None = None) -> Planner:
