@@ -22,6 +22,7 @@ from rayrunner.models.spec import ModelSpec
 from rayrunner.models.which import GGUF
 from rayrunner.quantization.cpu_gemm import widen_linears
 from rayrunner.quantization.model_cache import QuantizedModelCache
+from rayrunner.quantization.packed_linear import pack_linears
 
 _DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
@@ -136,6 +137,7 @@ def load_model(spec: ModelSpec, auto_class: Any, with_processor: bool = False) -
         check_positions(model)
     if device == "cpu":
         widen_linears(model)  # prefill matmuls in float32 where this CPU has no native bf16/fp16 GEMM
+        pack_linears(model)  # bf16 weights prepacked for oneDNN where this CPU has a native bf16 GEMM
     with _as_load_error(spec):
         tok_path = tok_location or source.path
         tok_kwargs: dict[str, Any] = {} if tok_location else {"gguf_file": source.gguf_file}

@@ -103,6 +103,10 @@ class LoraAdapters:
             if self.peft is None:
                 from peft import PeftModel
 
+                from rayrunner.quantization.packed_linear import unpack_linears
+
+                unpack_linears(self.model)  # peft reads the weights of the Linears it wraps
+
                 self.peft = PeftModel.from_pretrained(self.model, folder, adapter_name=name, is_trainable=False)
             else:
                 self.peft.load_adapter(folder, adapter_name=name, is_trainable=False)

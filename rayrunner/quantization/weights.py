@@ -32,6 +32,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from rayrunner.quantization.packed_linear import packed_bytes
+
 METADATA_KEY = "rayrunner"
 ALIGN = 64  # bytes: where each storage starts in the file (see `_Writer.write`)
 SAFE_PACKAGES = ("torchao",)  # tensor subclasses and enums are rebuilt only from these packages' registered classes
@@ -43,13 +45,14 @@ PLAIN = (type(None), bool, int, float, str)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes held by the storages behind `model.state_dict()`, each storage counted once."""
+    """Bytes held by the storages behind `model.state_dict()`, each storage counted once, and by its packed
+    weights."""
     seen: dict[tuple[str, int], int] = {}
     for tensor in model.state_dict().values():
         for plain in _plain_tensors(tensor):
             storage = plain.untyped_storage()
             seen[(str(storage.device), storage.data_ptr())] = storage.nbytes()
-    return sum(seen.values())
+    return sum(seen.values()) + packed_bytes(model)
 
 
 def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
