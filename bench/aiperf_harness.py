@@ -1,6 +1,7 @@
 """aiperf (NVIDIA's LLM benchmark client, from PyPI, in a side venv) as the one external harness that drives every
-server a benchmark compares: streamed chats, the same synthetic prompts on every server (fixed seed), a fixed output
-length (`max_completion_tokens` with `ignore_eos` and `min_tokens`), greedy.
+server a benchmark compares: streamed chats, the same synthetic prompts on every server (`Load.seed`: a benchmark
+gives each round and concurrency its own, so no server's prefix cache finds a prompt it served in an earlier
+measurement), a fixed output length (`max_completion_tokens` with `ignore_eos` and `min_tokens`), greedy.
 
 aiperf is paced with `--request-rate 200 --arrival-pattern constant` on top of `--concurrency`: in plain concurrency
 mode its timing process busy-loops a core, which on a 2-core box takes half the machine from the server. Output
@@ -32,6 +33,7 @@ class Load:
     requests: int
     prompt_tokens: int = 94
     output_tokens: int = 64
+    seed: int = 0  # of aiperf's synthetic prompts
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ def profile(aiperf: Path, base_url: str, model: str, tokenizer: str, load: Load,
     out_dir.mkdir(parents=True, exist_ok=True)
     command = [
         str(aiperf), "profile", "--model", model, "--url", base_url, "--endpoint-type", "chat", "--streaming",
-        "--tokenizer", tokenizer, "--random-seed", "0",
+        "--tokenizer", tokenizer, "--random-seed", str(load.seed),
         "--isl", str(load.prompt_tokens), "--synthetic-input-tokens-stddev", "0",
         "--osl", str(load.output_tokens), "--output-tokens-stddev", "0",
         "--extra-inputs", "temperature:0", "--extra-inputs", "ignore_eos:true",

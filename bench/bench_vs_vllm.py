@@ -170,13 +170,15 @@ def stop_group(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
-def measure(base: str, model: str, tokenizer: Path, args: argparse.Namespace, out_dir: Path) -> dict[int, Figures]:
-    """aiperf at each concurrency against one served model; its files go to `out_dir/c<concurrency>`."""
+def measure(base: str, model: str, tokenizer: Path, args: argparse.Namespace, out_dir: Path, round_: int = 0
+            ) -> dict[int, Figures]:
+    """aiperf at each concurrency against one served model; its files go to `out_dir/c<concurrency>`. Prompts are
+    seeded by round and concurrency: the same for every side of a round, new in each measurement of one side."""
     aiperf = aiperf_command()
     results = {}
     for concurrency in args.concurrency:
         requests = max(args.requests, concurrency) if args.requests else max(16, 4 * concurrency)
-        load = Load(concurrency, requests, args.prompt_tokens, args.output_tokens)
+        load = Load(concurrency, requests, args.prompt_tokens, args.output_tokens, seed=1000 * round_ + concurrency)
         results[concurrency] = profile(aiperf, base, model, str(tokenizer), load, out_dir / f"c{concurrency}")
         print(f"{out_dir.parent.name}/{out_dir.name} c={concurrency}: {results[concurrency]}", file=sys.stderr)
     return results
@@ -189,7 +191,8 @@ def alternate(sides: list[Side], tokenizer: Path, args: argparse.Namespace,
     for round_ in range(args.rounds):
         for side in sides:
             slug = side.name.replace(" ", "-").replace("+", "-")
-            rounds[side.name].append(measure(side.base, side.model, tokenizer, args, out_dir / f"r{round_}" / slug))
+            rounds[side.name].append(measure(side.base, side.model, tokenizer, args, out_dir / f"r{round_}" / slug,
+                                             round_))
         print(f"round {round_ + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
     return rounds
 

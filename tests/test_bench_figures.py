@@ -53,16 +53,17 @@ def test_rayrunner_side_gets_that_thread_count() -> None:
 
 
 def test_rounds_alternate_the_sides(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    calls: list[str] = []
+    calls: list[tuple[str, int]] = []
 
-    def measure(base: str, model: str, tokenizer: Path, args: argparse.Namespace, out_dir: Path) -> dict[int, Figures]:
-        calls.append(model)
+    def measure(base: str, model: str, tokenizer: Path, args: argparse.Namespace, out_dir: Path, round_: int
+                ) -> dict[int, Figures]:
+        calls.append((model, round_))  # the round seeds the prompts: both sides of a round get the same ones
         return {1: figures(float(len(calls)))}
 
     monkeypatch.setattr(bench_vs_vllm, "measure", measure)
     sides = [bench_vs_vllm.Side("vLLM bf16", "http://a", "A"), bench_vs_vllm.Side("rayrunner bf16", "http://b", "B")]
     rounds = bench_vs_vllm.alternate(sides, tmp_path, argparse.Namespace(rounds=3), tmp_path)
-    assert calls == ["A", "B", "A", "B", "A", "B"]
+    assert calls == [("A", 0), ("B", 0), ("A", 1), ("B", 1), ("A", 2), ("B", 2)]
     assert [r[1].output_tok_s for r in rounds["vLLM bf16"]] == [1.0, 3.0, 5.0]
     assert bench_vs_vllm.medians(rounds, [1])["rayrunner bf16"][1].output_tok_s == 4.0
 
@@ -81,3 +82,14 @@ def test_ratio_across_precisions_is_labelled(capsys: pytest.CaptureFixture[str])
     table = capsys.readouterr().out
     assert "| c | figure | vLLM bf16 | rayrunner Q8_0 | / vLLM bf16 (Q8_0 vs bf16: cross-precision) |" in table
     assert "| 1 | output tok/s | 10.0 | 15.0 | 1.50x |" in table
+
+
+def test_a_variant_names_a_side_with_its_engine_settings() -> None:
+    name, engine = bench_vs_vllm.variant('chunk2048={"prefill_chunk_tokens": 2048}')
+    spec = bench_vs_vllm.rayrunner_spec(f"{bench_vs_vllm.SERVED}-{name}", 1, engine=engine)
+    assert spec["engine"] == {"torch_threads": 1, "prefill_chunk_tokens": 2048}
+    assert bench_vs_vllm.side_name(spec) == "chunk2048 bf16"
+    assert bench_vs_vllm.side_name(bench_vs_vllm.rayrunner_spec(bench_vs_vllm.SERVED, 1)) == "bf16"
+    assert bench_vs_vllm.side_name(bench_vs_vllm.rayrunner_spec(f"{bench_vs_vllm.SERVED}-Q8_0", 1, "Q8_0")) == "Q8_0"
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench_vs_vllm.variant("not a name=[1]")

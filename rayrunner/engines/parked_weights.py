@@ -22,6 +22,9 @@ it is deleted when the engine closes, and a parked file whose process is gone (a
 cluster stopped) is removed by the next replica on the host that starts or parks. Disk: the weights' size (269 MB
 for SmolLM2 bf16, 135 MB at Q8_0) in `$RAYRUNNER_CACHE_DIR/parked`.
 
+Weights prepacked for oneDNN (`quantization.packed_linear`) have no storage to write: `Engine.sleep` makes them plain
+before parking and `Engine.wake` packs them again after the restore.
+
 Weights made in inference mode would be inference tensors, and a Linear whose weight is one runs a sliced input
 through a bmm that copies the weight on every call (a 1-token chat took 1.7x as long after such a wake).
 """
