@@ -1,5 +1,6 @@
 """The kind of CPU a benchmark ran on, for the header of every table of figures: rankings flip with it (vLLM's
-oneDNN bf16 path runs on AMX and falls back on AVX2-only CPUs; PyTorch has no native bf16 GEMM without avx512_bf16).
+oneDNN bf16 path runs on AMX and falls back on AVX2-only CPUs; PyTorch has no native bf16 GEMM without avx512_bf16;
+int8 paths of other servers use VNNI or AMX int8).
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ import platform
 import re
 from pathlib import Path
 
-FLAGS = ("amx_bf16", "avx512_bf16", "avx2")  # as `grep -o 'avx512_bf16\|amx_bf16\|avx2' /proc/cpuinfo | sort -u`
+# bf16 matmul units (vLLM's oneDNN path, PyTorch's native bf16 GEMM) and int8 dot-product units (llama.cpp's and
+# mistral.rs's int8 paths), as `grep -ow 'amx_bf16\|amx_int8\|avx512_bf16\|avx512_vnni\|avx2' /proc/cpuinfo | sort -u`
+FLAGS = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx2")
 CPUINFO = Path("/proc/cpuinfo")
 
 

@@ -29,12 +29,12 @@ def figures(tok_s: float, errors: int = 0) -> Figures:
 
 def test_cpu_kind_names_the_model_and_the_flags_that_rank_servers() -> None:
     assert cpu_kind(AVX2_ONLY) == "AMD EPYC 7B13 (avx2)"
-    assert cpu_kind(AMX) == "Intel(R) Xeon(R) Platinum 8481C (amx_bf16 avx2 avx512_bf16)"
+    assert cpu_kind(AMX) == "Intel(R) Xeon(R) Platinum 8481C (amx_bf16 amx_int8 avx2 avx512_bf16)"
 
 
 def test_cpu_kind_matches_whole_flags_only() -> None:
     text = "model name\t: Some CPU\nflags\t\t: avx avx2x avx512_bf16_extra\n"
-    assert cpu_kind(text) == "Some CPU (none of amx_bf16 avx512_bf16 avx2)"
+    assert cpu_kind(text) == "Some CPU (none of amx_bf16 amx_int8 avx512_bf16 avx512_vnni avx2)"
 
 
 def test_vllm_gets_the_same_thread_count_bound_to_the_first_cpus() -> None:
