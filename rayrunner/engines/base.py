@@ -68,29 +68,13 @@ class Engine(ABC):  # noqa: B024 - every method has a default that refuses the r
 
     async def sleep(self, parking: ParkedWeights) -> None:
         """Free the weights and keep the rest for `wake` (`EngineSlot`): by default `loaded.model`'s are parked in
-        `parking`'s file between steps (packed weights as plain ones); engines that hold them elsewhere free them
-        their own way."""
-        from rayrunner.quantization.packed_linear import unpack_linears
-
+        `parking`'s file between steps; engines that hold them elsewhere free them their own way."""
         model = self.loaded.model
-
-        def park() -> None:
-            unpack_linears(model)
-            parking.park(model)
-
-        await self.between_steps(park)
+        await self.between_steps(lambda: parking.park(model))
 
     async def wake(self, parking: ParkedWeights) -> None:
         """Put back what `sleep` freed; raise if it cannot (the slot then builds a new engine)."""
-        from rayrunner.quantization.packed_linear import pack_linears
-
-        model = self.loaded.model
-
-        def restore() -> None:
-            parking.restore()
-            pack_linears(model)
-
-        await self.between_steps(restore)
+        await self.between_steps(parking.restore)
 
     def chat(self, request: ChatCompletionRequest, params: SamplingParams, adapter: str | None = None
              ) -> AsyncIterator[GenerationEvent]:

@@ -22,8 +22,8 @@ it is deleted when the engine closes, and a parked file whose process is gone (a
 cluster stopped) is removed by the next replica on the host that starts or parks. Disk: the weights' size (269 MB
 for SmolLM2 bf16, 135 MB at Q8_0) in `$RAYRUNNER_CACHE_DIR/parked`.
 
-Weights prepacked for oneDNN (`quantization.packed_linear`) have no storage to write: `Engine.sleep` makes them plain
-before parking and `Engine.wake` packs them again after the restore.
+Weights prepacked for oneDNN (`quantization.packed_linear`) have no storage to write: `park` makes them plain first
+and `restore` packs them again.
 
 Weights made in inference mode would be inference tensors, and a Linear whose weight is one runs a sliced input
 through a bmm that copies the weight on every call (a 1-token chat took 1.7x as long after such a wake).
@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from rayrunner.errors import ModelLoadError
+from rayrunner.quantization.packed_linear import pack_linears, unpack_linears
 from rayrunner.quantization.weights import load_tensors, save_tensors, weight_bytes
 from rayrunner.runtime.cache_dir import cache_dir
 
@@ -62,6 +63,7 @@ class ParkedWeights:
         self._written: tuple[Any, ...] | None = None  # what the file holds (see `_signature`)
         self._places: list[Place] | None = None  # where each parked tensor goes back, while parked
         self._in_host: tuple[list[torch.Tensor], list[torch.device]] | None = None  # copies and their devices
+        self._unpacked: nn.Module | None = None  # the model whose packed weights `park` made plain, while parked
         _remove_orphans(self.folder)
 
     @property
@@ -71,6 +73,7 @@ class ParkedWeights:
     def park(self, model: nn.Module, host_memory: bool | None = None) -> None:
         """Copy the model's tensors to host memory or write them to the file (unless it holds them already), then
         drop them from the model. `host_memory`: None decides (accelerator weights that fit in host memory)."""
+        self._unpacked = model if unpack_linears(model) else None
         slots = _slots(model)
         tensors = [tensor for *_, tensor in slots]
         if host_memory is None:
@@ -95,7 +98,9 @@ class ParkedWeights:
             tensors = _moved(*self._in_host) if self._in_host is not None else self._read()
         for (module, kind, name), tensor in zip(self._places, tensors, strict=True):
             getattr(module, kind)[name] = tensor
-        self._places, self._in_host = None, None
+        if self._unpacked is not None:
+            pack_linears(self._unpacked)
+        self._places, self._in_host, self._unpacked = None, None, None
 
     def discard(self) -> None:
         """Remove the file (the engine is closing)."""

@@ -65,7 +65,10 @@ def widen_linears(model: nn.Module) -> int:
     return changed
 
 
+def plain_cpu_weight(weight: Any) -> bool:
+    """Whether `weight` is a plain tensor (no quantized subclass) in CPU memory."""
+    return weight is not None and type(weight.data) is torch.Tensor and weight.device.type == "cpu"
+
+
 def _plain_half_cpu(weight: Any) -> bool:
-    data = weight.data
-    return (type(data) is torch.Tensor and data.device.type == "cpu" and data.dtype in HALF_DTYPES
-            and not native_half_gemm(data.dtype))
+    return plain_cpu_weight(weight) and weight.dtype in HALF_DTYPES and not native_half_gemm(weight.dtype)

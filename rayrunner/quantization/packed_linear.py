@@ -8,7 +8,8 @@ few rows of a decode step and nil for a prompt's hundreds.
 
 The packed weight is an opaque oneDNN tensor: no storage to map, save or view. So it replaces the plain weight only
 while the model serves; `unpack_linears` gives every packed Linear its plain weight back (before a sleep parks the
-weights, and before peft wraps Linears with LoRA adapters), `pack_linears` packs them (at load, and after a wake).
+weights, and before peft wraps Linears with LoRA adapters), `pack_linears` packs them (at load, and after a wake;
+`ParkedWeights` does both).
 A Linear whose weight another module shares (an lm head tied to the input embedding) keeps the plain weight beside
 the packed one: the embedding looks rows up in it.
 """
@@ -16,12 +17,14 @@ the packed one: the embedding looks rows up in it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rayrunner.quantization.cpu_gemm import native_half_gemm
+from rayrunner.quantization.cpu_gemm import native_half_gemm, plain_cpu_weight
 
 BATCH_HINT = 16  # rows oneDNN chooses the packed layout for: a decode step's batch (any row count works)
 
@@ -77,19 +80,17 @@ def pack_linears(model: nn.Module) -> int:
                                                                                   nn.Module)}
     packed = 0
     for module in model.modules():
-        if not isinstance(module, nn.Linear) or id(module) in wrapped or not _plain_bf16_cpu(module.weight):
-            continue
-        if type(module) is nn.Linear or (type(module) is PackedLinear and module.packed is None):
+        unpacked = type(module) is nn.Linear or (type(module) is PackedLinear and module.packed is None)
+        if unpacked and id(module) not in wrapped and _plain_bf16_cpu(module.weight):
             module.__class__ = PackedLinear
-            assert isinstance(module, PackedLinear)
-            module.pack(shared=id(module.weight) in shared)
+            cast(PackedLinear, module).pack(shared=id(module.weight) in shared)
             packed += 1
     return packed
 
 
 def unpack_linears(model: nn.Module) -> int:
     """Give every `PackedLinear` of `model` its plain weight back; the number unpacked."""
-    linears = [module for module in model.modules() if isinstance(module, PackedLinear) and module.packed is not None]
+    linears = list(_packed_linears(model))
     for linear in linears:
         linear.unpack()
     return len(linears)
@@ -97,8 +98,12 @@ def unpack_linears(model: nn.Module) -> int:
 
 def packed_bytes(model: nn.Module) -> int:
     """Bytes held by the packed weights of `model` (not counted by its state dict)."""
-    return sum(module.packed.numel() * module.packed.element_size() for module in model.modules()
-               if isinstance(module, PackedLinear) and module.packed is not None)
+    return sum(linear.packed.numel() * linear.packed.element_size() for linear in _packed_linears(model)
+               if linear.packed is not None)
+
+
+def _packed_linears(model: nn.Module) -> Iterator[PackedLinear]:
+    return (module for module in model.modules() if isinstance(module, PackedLinear) and module.packed is not None)
 
 
 def _shared_weights(model: nn.Module) -> set[int]:
@@ -111,8 +116,5 @@ def _shared_weights(model: nn.Module) -> set[int]:
     return {key for key, count in seen.items() if count > 1}
 
 
-def _plain_bf16_cpu(weight: torch.Tensor | None) -> bool:
-    if weight is None:
-        return False
-    data = weight.data
-    return type(data) is torch.Tensor and data.device.type == "cpu" and data.dtype == torch.bfloat16
+def _plain_bf16_cpu(weight: Any) -> bool:
+    return plain_cpu_weight(weight) and weight.dtype == torch.bfloat16

@@ -1,5 +1,5 @@
 """bf16 Linears prepacked for oneDNN: same outputs as the plain weights, tied weights kept for the embedding, plain
-again for parking and for peft, packed again after a wake, and counted in the model's weight bytes. Only on CPUs
+again for peft, parked plain and packed again by the restore, and counted in the model's weight bytes. Only on CPUs
 where packing pays (a native bf16 GEMM); elsewhere nothing is packed, which the last test checks."""
 
 from __future__ import annotations
@@ -66,13 +66,13 @@ def test_parked_packed_weights_come_back_packed_and_the_same(tmp_path: Path) -> 
     model = _model(tmp_path / "model", tied=True)
     plain = _logits(model)
     pack_linears(model)
+    packed = len(_packed(model))
     parking = ParkedWeights("tiny", tmp_path / "parked")
-    unpack_linears(model)
-    parking.park(model)
+    parking.park(model)  # makes the packed weights plain to write them, then drops them
     assert not _packed(model) and all(linear.weight is None for linear in model.modules()
                                       if isinstance(linear, nn.Linear))
     parking.restore()
-    assert pack_linears(model) > 0
+    assert len(_packed(model)) == packed > 0 and pack_linears(model) == 0
     torch.testing.assert_close(_logits(model), plain, atol=0.02, rtol=0.02)
     parking.discard()
 
