@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig
 
-from rayrunner.engines.transformers.kv.kv_batch import BatchCache, new_cache
+from rayrunner.engines.transformers.kv.kv_batch import BatchCache, compacted_rows, new_cache
 
 CONFIG = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
@@ -66,3 +66,62 @@ def test_appends_after_a_merge_and_a_dropped_row() -> None:
     for layer in range(CONFIG.num_hidden_layers):
         room = batch.append(layer, keys, values)
         _check(batch, layer, room, twin.cache.update(keys, values, layer))
+
+
+def _stepped(batch: BatchCache, twin: BatchCache, steps: int, seed: int) -> None:
+    """`steps` decode steps appended to `batch` (into room) and concatenated onto `twin`."""
+    for step in range(steps):
+        keys, values = _position(batch.rows, seed=seed + step)
+        for layer in range(CONFIG.num_hidden_layers):
+            batch.append(layer, keys, values)
+            twin.cache.update(keys, values, layer)
+        batch.grew(batch.mask_with(1))
+        twin.grew(twin.mask_with(1))
+
+
+def _same(batch: BatchCache, twin: BatchCache) -> None:
+    assert torch.equal(batch.mask, twin.mask)
+    for mine, theirs in zip(batch.cache.layers, twin.cache.layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+def test_compacted_rows_fill_the_places_of_finished_rows_from_the_end() -> None:
+    assert compacted_rows([False, True, False, False]) == [0, 3, 2]
+    assert compacted_rows([True, True, False, False, False]) == [3, 4, 2]
+    assert compacted_rows([False, False, True]) == [0, 1]
+    assert compacted_rows([True]) == []
+
+
+def test_rows_leave_and_join_in_room_without_reallocating() -> None:
+    batch, twin = _filled(4, 5, seed=3), _filled(4, 5, seed=3)
+    _stepped(batch, twin, 2, seed=20)
+    place = batch.cache.layers[0].keys.data_ptr()
+    keep = compacted_rows([False, True, False, False])
+    batch.keep(keep)
+    twin.keep(keep)
+    _same(batch, twin)
+    assert batch.cache.layers[0].keys.data_ptr() == place and batch.room_left()
+    batch.merge(_filled(1, 3, seed=4))  # a shorter prompt takes the free row, padded on the left
+    twin.merge(_filled(1, 3, seed=4))
+    _same(batch, twin)
+    assert batch.cache.layers[0].keys.data_ptr() == place
+    _stepped(batch, twin, 3, seed=40)
+    _same(batch, twin)
+    keys, values = _position(4, seed=77)
+    for layer in range(CONFIG.num_hidden_layers):
+        room = batch.append(layer, keys, values)
+        _check(batch, layer, room, twin.cache.update(keys, values, layer))
+
+
+def test_a_batch_mostly_gone_or_a_longer_prompt_moves_into_new_tensors() -> None:
+    batch, twin = _filled(4, 5, seed=5), _filled(4, 5, seed=5)
+    _stepped(batch, twin, 1, seed=60)
+    batch.merge(_filled(1, 9, seed=6))  # longer than the batch: every row is padded, so every layer is gathered
+    twin.merge(_filled(1, 9, seed=6))
+    _same(batch, twin)
+    _stepped(batch, twin, 1, seed=61)
+    place = batch.cache.layers[0].keys.data_ptr()
+    batch.keep([4])  # one row of five: the room would hold four free rows
+    twin.keep([4])
+    _same(batch, twin)
+    assert batch.cache.layers[0].keys.data_ptr() != place and batch.cache.layers[0].keys.shape[0] == 1

@@ -18,6 +18,12 @@ since (a merge, a prefill through transformers) is moved into new room once. Att
 unused positions are zeros: a view of only the cached positions would be copied by every matmul (its rows are not
 evenly spaced), which costs what concatenating did. Decode steps of the fast step, this against concatenating (one
 process, alternating): 16 rows of 1,000 tokens 1.30x (bf16), 16 rows of 100 1.02x, one row of 40 0.97-1.0x (Q8_0).
+
+Rows leave and join in that room too. A finished row's place is taken by a row moved from the end
+(`compacted_rows`: the scheduler keeps its running list in that order), so a leaving row costs one row's copy, not a
+gather of every layer; its freed row at the end takes the next prompt whose prefill is not longer than the batch
+(`merge`). Moved into new tensors instead: when most of the room would stand empty, when the kept rows share much
+padding (which this trims), or when the joining prompt is longer. Figures: docs/performance.md ("Serving under load").
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin, get_layer_types_and_kwargs
 
-from rayrunner.engines.transformers.kv.kv_budget import grown
+from rayrunner.engines.transformers.kv.kv_budget import MIN_ROOM, grown
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})  # layer kinds kept as plain `DynamicLayer`s
 RECURRENT_LAYERS = frozenset({"linear_attention", "conv", "hybrid", "full_attention", "dummy"})  # hybrid models'
@@ -124,20 +130,23 @@ class BatchCache:
         """Append `keys`/`values` [rows, kv_heads, 1, head_dim] to layer `index` (in reserved room: see above);
         the layer's room for keys and values [rows, kv_heads, capacity, head_dim], zeros past the cached length."""
         layer = _layers(self.cache)[index]
-        length = layer.keys.shape[2]
+        rows, length = layer.keys.shape[0], layer.keys.shape[2]
         room = self._room.get(index)
-        if room is None or room[0].shape[2] <= length or room[0].data_ptr() != layer.keys.data_ptr() \
-                or room[0].shape[:2] != layer.keys.shape[:2]:
+        if room is None or room[0].shape[2] <= length or not _holds_layer(room, layer):
             capacity = grown(length, self.max_positions)
             room = self._room[index] = (_reserved(layer.keys, length, capacity),
                                         _reserved(layer.values, length, capacity))
+        room = (room[0][:rows], room[1][:rows])  # rows left by `keep` stay free for the next `merge`
         room[0][:, :, length] = keys[:, :, 0]
         room[1][:, :, length] = values[:, :, 0]
         layer.keys, layer.values = room[0][:, :, : length + 1], room[1][:, :, : length + 1]
         return room
 
     def merge(self, other: BatchCache) -> None:
-        """Append `other`'s rows, left-padding whichever side is shorter."""
+        """Append `other`'s rows, left-padding whichever side is shorter: written into free rows of the room when
+        it has them and `other` is not longer, else by concatenating every layer."""
+        if self._merge_in_room(other):
+            return
         length = max(self.length, other.length)
         for mine, theirs in zip(_any_layers(self.cache), _any_layers(other.cache), strict=True):
             if _holds_kv(mine):
@@ -152,10 +161,14 @@ class BatchCache:
         self._room.clear()  # the layers hold new tensors: the old room is let go now, not at the next append
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only `rows` (in that order), then drop the columns that are padding in all of them."""
+        """Keep only `rows` (in that order). In room (`compacted_rows`' order, most rows kept, little shared
+        padding): the rows moved from the end fill the places of those that left, and nothing else is copied; else
+        every layer is gathered anew without the columns that are padding in all of the rows."""
+        if self._keep_in_room(rows):
+            return
         index = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
         self.mask = self.mask.index_select(0, index)
-        shared_padding = int((self.mask.shape[1] - self.mask.sum(dim=1)).min()) if rows else 0
+        shared_padding = _shared_padding(self.mask)
         self.mask = self.mask[:, shared_padding:]
         for layer in _any_layers(self.cache):
             if _holds_kv(layer):
@@ -166,6 +179,76 @@ class BatchCache:
                     if state is not None:
                         states[state_index] = state.index_select(0, index)
         self._room.clear()
+
+    def _rooms(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Every layer's room, when every layer is plain attention and holds its keys and values in its room."""
+        layers = _any_layers(self.cache)
+        rooms = [self._room.get(index) for index in range(len(layers))]
+        if not layers or not all(_holds_kv(layer) and not _states(layer) and room is not None
+                                 and _holds_layer(room, layer) for layer, room in zip(layers, rooms, strict=True)):
+            return None
+        return cast(list[tuple[torch.Tensor, torch.Tensor]], rooms)
+
+    def _keep_in_room(self, rows: list[int]) -> bool:
+        rooms = self._rooms()
+        moves = [(place, row) for place, row in enumerate(rows) if row != place]
+        if rooms is None or not rows or len(set(rows)) != len(rows) or any(row < len(rows) for _, row in moves):
+            return False  # a row moved from below the kept ones would overwrite a row still to be read
+        mask = self.mask[rows]
+        if 2 * len(rows) < rooms[0][0].shape[0] or _shared_padding(mask) * 4 > max(self.length, 4 * MIN_ROOM):
+            return False  # most of the room is free, or much padding is shared: gathering anew gives it back
+        for keys, values in rooms:
+            for place, row in moves:
+                keys[place].copy_(keys[row])
+                values[place].copy_(values[row])
+        self._view_rooms(rooms, len(rows), self.length)
+        self.mask = mask
+        return True
+
+    def _merge_in_room(self, other: BatchCache) -> bool:
+        rooms, rows, length = self._rooms(), self.rows, self.length
+        theirs = _any_layers(other.cache)
+        if rooms is None or rows + other.rows > rooms[0][0].shape[0] or other.length > length \
+                or len(theirs) != len(rooms) or not all(_holds_kv(layer) for layer in theirs):
+            return False
+        start, end = length - other.length, rows + other.rows
+        for (keys, values), layer in zip(rooms, theirs, strict=True):
+            keys[rows:end].zero_()
+            values[rows:end].zero_()
+            keys[rows:end, :, start:length].copy_(layer.keys)
+            values[rows:end, :, start:length].copy_(layer.values)
+        self._view_rooms(rooms, end, length)
+        self.mask = torch.cat([self.mask, _pad_left(other.mask, length)], dim=0)
+        return True
+
+    def _view_rooms(self, rooms: list[tuple[torch.Tensor, torch.Tensor]], rows: int, length: int) -> None:
+        """Every layer's keys and values: the first `rows` rows and `length` positions of its room."""
+        for layer, (keys, values) in zip(_layers(self.cache), rooms, strict=True):
+            layer.keys, layer.values = keys[:rows, :, :length], values[:rows, :, :length]
+
+
+
+def compacted_rows(done: list[bool]) -> list[int]:
+    """The rows to keep of a batch whose rows `done` leave, in the order that moves the fewest: each place left
+    below the kept count is taken by a kept row from the end (what `BatchCache.keep` does in room)."""
+    count = done.count(False)
+    order = list(range(count))
+    holes = [place for place in range(count) if done[place]]
+    movers = [row for row in range(count, len(done)) if not done[row]]
+    for hole, mover in zip(holes, movers, strict=True):
+        order[hole] = mover
+    return order
+
+
+def _holds_layer(room: tuple[torch.Tensor, torch.Tensor], layer: Any) -> bool:
+    """Whether `layer`'s keys and values are views of `room`'s first rows (as `append` and `keep` leave them)."""
+    return room[0].data_ptr() == layer.keys.data_ptr() and room[1].data_ptr() == layer.values.data_ptr() \
+        and room[0].shape[1] == layer.keys.shape[1] and room[0].shape[0] >= layer.keys.shape[0]
+
+
+def _shared_padding(mask: torch.Tensor) -> int:
+    """Leading columns that are padding in every row of `mask`."""
+    return int((mask.shape[1] - mask.sum(dim=1)).min()) if mask.shape[0] else 0
 
 
 def _holds_kv(layer: Any) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import sys
 import threading
@@ -37,7 +38,7 @@ import torch
 
 from rayrunner.engines.detokenizer import Detokenizer
 from rayrunner.engines.lora import LoraAdapters
-from rayrunner.engines.transformers.kv.kv_batch import BatchCache, mergeable, plain_attention, recurrent
+from rayrunner.engines.transformers.kv.kv_batch import BatchCache, compacted_rows, mergeable, plain_attention, recurrent
 from rayrunner.engines.transformers.kv.kv_memory import KvMemory
 from rayrunner.engines.transformers.step.admission import Admission
 from rayrunner.engines.transformers.step.compute_thread import ComputeThread
@@ -98,6 +99,7 @@ class StepScheduler:
         self._cond = threading.Condition()
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []  # row i of the runner's batch is `_running[i]`
+        self._joins = itertools.count(1)  # numbers the sequences joining `_running` (`Sequence.joined`)
         self._chunking: Sequence | None = None  # a long prompt being prefilled chunk by chunk
         self._prefilling: list[Sequence] = []  # taken from the queue, not yet running
         self._jobs: collections.deque[tuple[Callable[[], Any], Future[Any]]] = collections.deque()
@@ -284,6 +286,11 @@ class StepScheduler:
                 self.runner.drop_chunk()
         self._retire()
 
+    def _by_age(self) -> list[Sequence]:
+        """The running sequences, oldest first (the planner preempts the newest; rows are not in that order once
+        `_retire` has moved rows from the end into the places of finished ones)."""
+        return sorted(self._running, key=lambda sequence: sequence.joined)
+
     def _kv(self) -> KvState:
         """The KV memory's figures now, for the planner."""
         return KvState(self.memory.budget(), self.runner.batch_shape())
@@ -363,8 +370,10 @@ class StepScheduler:
             self._prefilling, self._chunking = [], None
         self.runner.drop_chunk()  # a chunked prompt's cache is `cache`, which joins the batch
         joining = self.runner.shape(cache)
-        self._make_room(lambda: self.planner.room_to_join(self._kv(), joining, self._running))
+        self._make_room(lambda: self.planner.room_to_join(self._kv(), joining, self._by_age()))
         self.runner.join(cache)
+        for choice in choices:
+            choice.joined = next(self._joins)
         with self._cond:
             self._running.extend(choices)
         self._retire()
@@ -372,7 +381,7 @@ class StepScheduler:
     # ------------------------------------------------------------ decode and the KV moves
 
     def _decode(self) -> None:
-        room = self._make_room(lambda: self.planner.room_for_step(self._kv(), self._running, self._chunking))
+        room = self._make_room(lambda: self.planner.room_for_step(self._kv(), self._by_age(), self._chunking))
         if self.runner.batch is None or not self._running:
             return
         running = list(self._running)
@@ -413,9 +422,9 @@ class StepScheduler:
 
     def _retire(self) -> None:
         """Drop finished and cancelled sequences from the running batch (their blocks go to the prefix cache)."""
-        keep = [i for i, s in enumerate(self._running) if not s.done]
-        if len(keep) == len(self._running):
+        if not any(s.done for s in self._running):
             return
+        keep = compacted_rows([s.done for s in self._running])
         if self.runner.batch is not None:
             done = [(row, s) for row, s in enumerate(self._running) if s.done]
             self.runner.keep_prefixes(done, self.runner.batch, self._held_after_step)

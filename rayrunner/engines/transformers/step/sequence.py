@@ -45,6 +45,7 @@ class Sequence:
     failed: bool = False  # ended by an error (its cache is not kept for reuse)
     prefilled: int = 0  # tokens of `prefill_ids` already in this sequence's cache (chunked prefill, reuse)
     cached_tokens: int = 0  # prompt tokens its first prefill took from the prefix cache
+    joined: int = 0  # when it joined the running batch, in the scheduler's count (preemption takes the newest)
     started_at: float = 0.0
     first_token_at: float | None = None
     row: SamplingRow | None = None
