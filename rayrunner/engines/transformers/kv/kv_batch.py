@@ -227,7 +227,6 @@ class BatchCache:
             layer.keys, layer.values = keys[:rows, :, :length], values[:rows, :, :length]
 
 
-
 def compacted_rows(done: list[bool]) -> list[int]:
     """The rows to keep of a batch whose rows `done` leave, in the order that moves the fewest: each place left
     below the kept count is taken by a kept row from the end (what `BatchCache.keep` does in room)."""

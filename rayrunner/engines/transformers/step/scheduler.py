@@ -422,9 +422,10 @@ class StepScheduler:
 
     def _retire(self) -> None:
         """Drop finished and cancelled sequences from the running batch (their blocks go to the prefix cache)."""
-        if not any(s.done for s in self._running):
+        done_rows = [s.done for s in self._running]
+        if not any(done_rows):
             return
-        keep = compacted_rows([s.done for s in self._running])
+        keep = compacted_rows(done_rows)
         if self.runner.batch is not None:
             done = [(row, s) for row, s in enumerate(self._running) if s.done]
             self.runner.keep_prefixes(done, self.runner.batch, self._held_after_step)
