@@ -12,11 +12,17 @@ weights, and before peft wraps Linears with LoRA adapters), `pack_linears` packs
 `ParkedWeights` does both).
 A Linear whose weight another module shares (an lm head tied to the input embedding) keeps the plain weight beside
 the packed one: the embedding looks rows up in it.
+
+Linears of one module that read the same input (an attention's `q_proj`/`k_proj`/`v_proj`, an MLP's
+`gate_proj`/`up_proj`) share one packed weight, their rows side by side (`FusedPack`): the decode step makes one call
+where it made three or two, and transformers' forward, which calls each Linear on the same tensor in turn, gets the
+first call's output sliced for the others.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -27,6 +33,7 @@ from torch import nn
 from rayrunner.quantization.cpu_gemm import native_half_gemm, plain_cpu_weight
 
 BATCH_HINT = 16  # rows oneDNN chooses the packed layout for: a decode step's batch (any row count works)
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # Linears of one module reading one input
 
 
 @functools.cache
@@ -38,28 +45,84 @@ def packing_pays() -> bool:
         return False
 
 
+class FusedPack:
+    """One packed weight for Linears that read the same input, their output rows side by side (`project`).
+    `output_of` serves them one at a time as transformers' forward calls them: the first call on an input projects
+    it for all, the others get their slice of that output, which is dropped once each has had its own."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        weights = [linear.weight.detach() for linear in linears]
+        with torch.inference_mode(False):
+            self.packed = _reorder(torch.cat(weights))
+            self.bias = None if linears[0].bias is None else torch.cat([linear.bias.detach() for linear in linears])
+        ends = list(itertools.accumulate(weight.shape[0] for weight in weights))
+        self.bounds = list(zip([0, *ends[:-1]], ends, strict=True))
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._pending: set[int] = set()
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """All the Linears' outputs on `x`, side by side."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def output_of(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Linear `index`'s output on `x` (the same tensor object for all of them: an input changed in place between
+        the calls would not be seen, which transformers' attention and MLP never do)."""
+        if self._input is not x or index not in self._pending:
+            self._input, self._output, self._pending = x, self.project(x), set(range(len(self.bounds)))
+        output = self._output
+        assert output is not None
+        self._pending.discard(index)
+        if not self._pending:
+            self._input = self._output = None
+        start, end = self.bounds[index]
+        return output[..., start:end]
+
+    def weight_of(self, index: int) -> torch.Tensor:
+        """Linear `index`'s plain weight, unpacked (a tensor of its own)."""
+        start, end = self.bounds[index]
+        with torch.inference_mode(False):
+            return self.packed.to_dense().reshape(self.bounds[-1][1], -1)[start:end].clone()
+
+
 class PackedLinear(nn.Linear):
-    """An `nn.Linear` that multiplies with its weight prepacked for oneDNN while `packed` is set (see the module
-    docstring); `weight` is then None unless another module shares it."""
+    """An `nn.Linear` that multiplies with its weight prepacked for oneDNN while `packed` (or `fused`, a weight it
+    shares with its siblings) is set (see the module docstring); `weight` is then None unless another module shares
+    it."""
 
     packed: torch.Tensor | None = None
+    fused: FusedPack | None = None
+    fused_index = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.output_of(self.fused_index, x)
         packed = self.packed
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
+    @property
+    def is_packed(self) -> bool:
+        return self.packed is not None or self.fused is not None
+
     def pack(self, shared: bool) -> None:
         """Pack the plain weight; drop it unless `shared` (another module reads it)."""
-        weight = self.weight
         with torch.inference_mode(False):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+            self.packed = _reorder(self.weight.detach())
         if not shared:
             self._parameters["weight"] = None
 
+    def join(self, fused: FusedPack, index: int) -> None:
+        """Multiply with row block `index` of `fused` from now on; the plain weight goes."""
+        self.fused, self.fused_index = fused, index
+        self._parameters["weight"] = None
+
     def unpack(self) -> None:
         """Give the Linear its plain weight back (from the packed one unless it kept it) and drop the packed."""
+        if self.fused is not None:
+            self._parameters["weight"] = nn.Parameter(self.fused.weight_of(self.fused_index), requires_grad=False)
+            self.fused = None
         if self.packed is None:
             return
         if self._parameters.get("weight") is None:
@@ -69,23 +132,48 @@ class PackedLinear(nn.Linear):
         self.packed = None
 
 
+def fused_pack(owner: nn.Module, names: tuple[str, ...]) -> FusedPack | None:
+    """The packed weight `owner`'s Linears `names` share, if they do."""
+    first = getattr(owner, names[0], None)
+    return first.fused if isinstance(first, PackedLinear) else None
+
+
 def pack_linears(model: nn.Module) -> int:
     """Pack every plain bf16 CPU `nn.Linear` of `model` (and every `PackedLinear` unpacked since) where packing
-    pays; the number packed. Quantized Linears (another class, or a tensor subclass as weight) and the base layers
-    of peft's LoRA layers (peft reads their weights) stay as they are."""
+    pays, siblings reading one input into one shared weight (`FUSED`); the number packed. Quantized Linears (another
+    class, or a tensor subclass as weight) and the base layers of peft's LoRA layers (peft reads their weights) stay
+    as they are."""
     if not packing_pays():
         return 0
     shared = _shared_weights(model)
     wrapped = {id(module.base_layer) for module in model.modules() if isinstance(getattr(module, "base_layer", None),
                                                                                   nn.Module)}
+
+    def packable(module: Any) -> bool:
+        unpacked = type(module) is nn.Linear or (type(module) is PackedLinear and not module.is_packed)
+        return unpacked and id(module) not in wrapped and _plain_bf16_cpu(module.weight)
+
     packed = 0
+    for owner in list(model.modules()):
+        for names in FUSED:
+            linears: list[Any] = [getattr(owner, name, None) for name in names]
+            if all(packable(linear) and id(linear.weight) not in shared for linear in linears) and _fusable(linears):
+                _fuse(linears)
+                packed += len(linears)
     for module in model.modules():
-        unpacked = type(module) is nn.Linear or (type(module) is PackedLinear and module.packed is None)
-        if unpacked and id(module) not in wrapped and _plain_bf16_cpu(module.weight):
+        if packable(module):
             module.__class__ = PackedLinear
             cast(PackedLinear, module).pack(shared=id(module.weight) in shared)
             packed += 1
     return packed
+
+
+def _fuse(linears: list[nn.Linear]) -> None:
+    """Make `linears` `PackedLinear`s sharing one packed weight."""
+    fused = FusedPack(linears)
+    for index, linear in enumerate(linears):
+        linear.__class__ = PackedLinear
+        cast(PackedLinear, linear).join(fused, index)
 
 
 def unpack_linears(model: nn.Module) -> int:
@@ -97,13 +185,25 @@ def unpack_linears(model: nn.Module) -> int:
 
 
 def packed_bytes(model: nn.Module) -> int:
-    """Bytes held by the packed weights of `model` (not counted by its state dict)."""
-    return sum(linear.packed.numel() * linear.packed.element_size() for linear in _packed_linears(model)
-               if linear.packed is not None)
+    """Bytes held by the packed weights of `model` (not counted by its state dict), a shared one counted once."""
+    tensors = {id(tensor): tensor for linear in _packed_linears(model)
+               for tensor in (linear.packed, None if linear.fused is None else linear.fused.packed)
+               if tensor is not None}
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
 
 
 def _packed_linears(model: nn.Module) -> Iterator[PackedLinear]:
-    return (module for module in model.modules() if isinstance(module, PackedLinear) and module.packed is not None)
+    return (module for module in model.modules() if isinstance(module, PackedLinear) and module.is_packed)
+
+
+def _fusable(linears: list[Any]) -> bool:
+    """Linears that can share one weight: the same input width, all with a bias or none."""
+    return (len({linear.in_features for linear in linears}) == 1
+            and len({linear.bias is None for linear in linears}) == 1)
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
 
 
 def _shared_weights(model: nn.Module) -> set[int]:

@@ -1,4 +1,5 @@
-"""bf16 Linears prepacked for oneDNN: same outputs as the plain weights, tied weights kept for the embedding, plain
+"""bf16 Linears prepacked for oneDNN: same outputs as the plain weights, q/k/v and gate/up sharing one packed weight
+and unpacked exactly, tied weights kept for the embedding, plain
 again for peft, parked plain and packed again by the restore, and counted in the model's weight bytes. Only on CPUs
 where packing pays (a native bf16 GEMM); elsewhere nothing is packed, which the last test checks."""
 
@@ -14,11 +15,18 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from rayrunner.engines.parked_weights import ParkedWeights
-from rayrunner.quantization.packed_linear import PackedLinear, pack_linears, packing_pays, unpack_linears
+from rayrunner.quantization.packed_linear import (
+    PackedLinear,
+    fused_pack,
+    pack_linears,
+    packing_pays,
+    unpack_linears,
+)
 from rayrunner.quantization.weights import weight_bytes
 from tests.tiny_models import build_tiny_llama
 
 needs_packing = pytest.mark.skipif(not packing_pays(), reason="this CPU has no native bf16 GEMM: nothing is packed")
+QKV = ("q_proj", "k_proj", "v_proj")
 IDS = torch.tensor([[1, 5, 9, 14, 3], [7, 2, 8, 4, 6]])
 
 
@@ -35,7 +43,7 @@ def _logits(model: Any) -> torch.Tensor:
 
 
 def _packed(model: nn.Module) -> list[PackedLinear]:
-    return [module for module in model.modules() if isinstance(module, PackedLinear) and module.packed is not None]
+    return [module for module in model.modules() if isinstance(module, PackedLinear) and module.is_packed]
 
 
 @needs_packing
@@ -48,6 +56,44 @@ def test_packed_linears_give_the_plain_weights_outputs(tmp_path: Path) -> None:
     torch.testing.assert_close(_logits(model), plain, atol=0.02, rtol=0.02)
     assert abs(weight_bytes(model) - plain_bytes) <= 0.05 * plain_bytes
     assert pack_linears(model) == 0  # packing twice packs nothing
+
+
+@needs_packing
+def test_linears_reading_one_input_share_one_packed_weight_and_unpack_exactly(tmp_path: Path) -> None:
+    model = _model(tmp_path)
+    layer = model.model.layers[0]
+    plain = {name: linear.weight.clone() for name, linear in layer.named_modules() if isinstance(linear, nn.Linear)}
+    pack_linears(model)
+    attention, mlp = layer.self_attn, layer.mlp
+    assert attention.q_proj.fused is attention.k_proj.fused is attention.v_proj.fused is not None
+    assert mlp.gate_proj.fused is mlp.up_proj.fused is not None and mlp.down_proj.fused is None
+    assert [fused_pack(attention, QKV), fused_pack(mlp, ("gate_proj", "up_proj"))] == [attention.q_proj.fused,
+                                                                                       mlp.up_proj.fused]
+    unpack_linears(model)
+    for name, weight in plain.items():
+        assert torch.equal(layer.get_submodule(name).weight, weight), name
+
+
+@needs_packing
+def test_a_shared_packed_weight_serves_each_linear_its_own_output_with_biases() -> None:
+    torch.manual_seed(0)
+    owner = nn.Module()
+    for name, rows in zip(QKV, (12, 4, 4), strict=True):
+        setattr(owner, name, nn.Linear(16, rows, bias=True, dtype=torch.bfloat16))
+    expected = {}
+    first, second = torch.randn(3, 16, dtype=torch.bfloat16), torch.randn(3, 16, dtype=torch.bfloat16)
+    for x in (first, second):
+        expected[id(x)] = [torch.nn.functional.linear(x, getattr(owner, n).weight, getattr(owner, n).bias)
+                           for n in QKV]
+    assert pack_linears(owner) == 3
+    fused = owner.q_proj.fused
+    # in transformers' order, out of order, one input and then another before the first is done
+    for x, order in ((first, QKV), (second, ("v_proj", "q_proj", "k_proj")), (first, ("q_proj",)),
+                     (second, QKV)):
+        for name in order:
+            got = getattr(owner, name)(x)
+            torch.testing.assert_close(got, expected[id(x)][QKV.index(name)], atol=0.02, rtol=0.02)
+    assert fused._output is None  # the last input was served to all three: its output is not held
 
 
 @needs_packing

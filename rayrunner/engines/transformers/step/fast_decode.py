@@ -7,7 +7,8 @@ small operations of transformers' forward as on the matmuls themselves, so this 
 the operations around it:
 - hidden states stay [rows, hidden] (no sequence dimension to view, transpose and copy);
 - int8 weights (`Int8Linear`) of a layer's q/k/v and of its gate/up share one tensor each (`share_storage`: views,
-  no second copy), so a layer takes 4 int8 kernel calls instead of 7, made directly for a few bf16 rows;
+  no second copy), so a layer takes 4 int8 kernel calls instead of 7, made directly for a few bf16 rows; packed bf16
+  weights share one packed weight each the same way (`FusedPack`);
 - RMSNorm inlined with transformers' operations (float32, in place where they allocate a scratch tensor);
 - RoPE on the query and key heads at once: one `addcmul` of the heads and their halves swapped (`roll`) against a
   sine whose first half is negated;
@@ -32,6 +33,7 @@ from torch import nn
 from rayrunner.engines.transformers.kv.kv_batch import BatchCache, layer_windows, mergeable
 from rayrunner.quantization.cpu_gemm import wide_dtype
 from rayrunner.quantization.int8_rows import KERNEL_IN_MULTIPLE, KERNEL_MAX_ROWS, Int8Linear, int8_matmul, share_storage
+from rayrunner.quantization.packed_linear import fused_pack
 
 DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoderLayer", "Qwen2DecoderLayer",
                             "Qwen3DecoderLayer"})
@@ -137,6 +139,9 @@ def _projections(owner: nn.Module, names: tuple[str, ...], hidden: torch.Tensor,
     buffers = owner._buffers
     qdata = buffers.get(SHARED_QDATA)
     if qdata is None:
+        fused = fused_pack(owner, names)
+        if fused is not None:
+            return fused.project(hidden)
         return torch.cat([_linear(getattr(owner, name), hidden, kernel) for name in names], dim=-1)
     scale = buffers[SHARED_SCALE]
     assert scale is not None
