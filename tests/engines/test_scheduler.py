@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rayrunner.engines.detokenizer import Detokenizer
+from rayrunner.engines.transformers.step.fast_decode import FastDecode
 from rayrunner.engines.transformers.step.scheduler import SchedulerLimits, StepScheduler
 from rayrunner.engines.transformers.step.sequence import Sequence
 from rayrunner.engines.transformers.text import TextEngine
@@ -126,11 +127,13 @@ async def test_a_full_queue_refuses_with_429() -> None:
 
 
 @pytest.mark.slow
-def test_a_long_prompt_is_prefilled_one_chunk_per_step(tiny_llama_dir: str) -> None:
+@pytest.mark.parametrize("mixed", [False, True])  # True: the fast step feeds each chunk beside the decode rows
+def test_a_long_prompt_is_prefilled_one_chunk_per_step(tiny_llama_dir: str, mixed: bool) -> None:
     """While a long prompt is prefilled, the running sequence still gains a token at every step."""
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     scheduler = StepScheduler(model, SchedulerLimits(max_num_seqs=4, prefill_chunk_tokens=32))
+    scheduler.fast_decode = FastDecode.for_model(model) if mixed else None
     loop = asyncio.new_event_loop()
 
     def sequence(prompt: list[int], max_tokens: int) -> Sequence:
@@ -151,15 +154,25 @@ def test_a_long_prompt_is_prefilled_one_chunk_per_step(tiny_llama_dir: str) -> N
 
 
 @pytest.mark.slow
-def test_joining_and_leaving_keeps_each_sequence_exact(tiny_llama_dir: str) -> None:
+@pytest.mark.parametrize("fast", [False, True])  # True: prompts joining a busy batch are fed beside its decode rows
+def test_joining_and_leaving_keeps_each_sequence_exact(tiny_llama_dir: str, fast: bool) -> None:
     """Float32 tiny model: sequences joining a running batch at different steps decode exactly as alone."""
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     loop = asyncio.new_event_loop()
     prompts = [[1, 2, 3], list(range(20, 60)), [9] * 7, list(range(100, 113))]
 
+    @torch.inference_mode()  # as the scheduler's loop steps
     def run(batched: bool) -> list[list[int]]:
         scheduler = StepScheduler(model, SchedulerLimits(max_num_seqs=8, prefill_chunk_tokens=16))
+        scheduler.fast_decode = FastDecode.for_model(model) if fast else None
+        runner, mix = scheduler.runner, scheduler.runner.decode_with_prompt
+
+        def counted(*args: Any) -> Any:
+            mixed.append(batched)
+            return mix(*args)
+
+        runner.decode_with_prompt = counted  # type: ignore[method-assign]  # counts, then runs the real step
         seqs = [Sequence(p, SamplingParams(max_tokens=6 + 3 * i), Detokenizer(tokenizer, []), set(), loop)
                 for i, p in enumerate(prompts)]
         for s in seqs:
@@ -172,7 +185,9 @@ def test_joining_and_leaving_keeps_each_sequence_exact(tiny_llama_dir: str) -> N
             scheduler.step()
         return [s.output_ids for s in seqs]
 
+    mixed: list[bool] = []
     assert run(batched=True) == run(batched=False)
+    assert mixed == ([True] * len(mixed) if fast else []) and (len(mixed) >= 3 or not fast)  # only joiners mix
     loop.close()
 
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from rayrunner.engines.transformers.kv.kv_batch import BatchCache, layer_windows, mergeable
+from rayrunner.engines.transformers.short_attention import short_attention_forward
 from rayrunner.quantization.cpu_gemm import wide_dtype
 from rayrunner.quantization.int8_rows import KERNEL_IN_MULTIPLE, KERNEL_MAX_ROWS, Int8Linear, int8_matmul, share_storage
 from rayrunner.quantization.packed_linear import fused_pack
@@ -80,37 +81,81 @@ class FastDecode:
             return None
         return cls(decoder, lm_head, model.config.get_text_config())
 
+    @property
+    def mixes_prompts(self) -> bool:
+        """Whether `step` can take a prompt's tokens beside the decode rows (layers without sliding windows)."""
+        return all(window is None for window in self.windows)
+
     @torch.inference_mode()
-    def step(self, ids: torch.Tensor, batch: BatchCache) -> torch.Tensor:
-        """Feed `ids` [rows, 1], one token per row of `batch`, and append their keys and values to it."""
+    def step(self, ids: torch.Tensor, batch: BatchCache, prompt: PromptChunk | None = None) -> torch.Tensor:
+        """Feed `ids` [rows, 1], one token per row of `batch`, and append their keys and values to it; the logits
+        [rows, 1, vocab]. With a `prompt` (see `mixes_prompts`), its tokens go through the same forward after the
+        rows (vLLM's mixed batch: the decode rows ride along in the prompt's matmuls) and its last position's logits
+        come after the rows' [rows + 1, 1, vocab]."""
         mask, positions = batch.mask_with(1), batch.next_positions()
-        hidden = self.decoder.embed_tokens.forward(ids[:, 0])  # [rows, hidden]: one position per row throughout
-        cos, sin = self.decoder.rotary_emb.forward(hidden, positions)  # [rows, 1, head_dim]
+        rows, tokens = ids.shape[0], ids[:, 0]
+        if prompt is not None:
+            tokens, positions = torch.cat([tokens, prompt.ids]), torch.cat([positions, prompt.positions])
+        hidden = self.decoder.embed_tokens.forward(tokens)  # [rows (+ prompt tokens), hidden]: one position each
+        cos, sin = self.decoder.rotary_emb.forward(hidden, positions)  # [rows (+ prompt tokens), 1, head_dim]
         half = self.head_dim // 2
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         biases: dict[int | None, torch.Tensor] = {}  # by window: the same for every layer of one kind
-        kernel = hidden.dtype == torch.bfloat16 and ids.shape[0] <= KERNEL_MAX_ROWS
-        rows, heads, kv_heads, dim = ids.shape[0], self.heads, self.kv_heads, self.head_dim
+        width = hidden.shape[0]
+        kernel = hidden.dtype == torch.bfloat16 and width <= KERNEL_MAX_ROWS
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         for index, layer in enumerate(self.layers):
             qkv = _projections(layer.attention, QKV, _rms_norm(layer.input_norm, hidden), kernel)
-            qkv = qkv.view(rows, heads + 2 * kv_heads, dim)
+            qkv = qkv.view(width, heads + 2 * kv_heads, dim)
             both = qkv[:, : heads + kv_heads] if layer.q_norm is None else torch.cat(
                 [_rms_norm(layer.q_norm, qkv[:, :heads]), _rms_norm(layer.k_norm, qkv[:, heads: heads + kv_heads])],
                 dim=1)
-            both = torch.addcmul(both * cos, both.roll(half, dims=-1), sin)  # [rows, heads + kv_heads, head_dim]
-            keys, values = batch.append(index, both[:, heads:, None], qkv[:, heads + kv_heads:, None])
+            both = torch.addcmul(both * cos, both.roll(half, dims=-1), sin)  # [width, heads + kv_heads, head_dim]
+            keys, values = batch.append(index, both[:rows, heads:, None], qkv[:rows, heads + kv_heads:, None])
             window = self.windows[index]
             bias = biases.get(window)
             if bias is None or bias.shape[-1] != keys.shape[2]:
                 bias = biases[window] = _attention_bias(mask, keys.shape[2], window)
-            out = _grouped_attention(both[:, :heads].reshape(rows, kv_heads, -1, dim), keys, values, bias,
-                                     layer.scaling)
-            hidden += _linear(layer.o_proj, out.view(rows, -1), kernel)
+            out = _grouped_attention(both[:rows, :heads].reshape(rows, kv_heads, -1, dim), keys, values, bias,
+                                     layer.scaling).view(rows, -1)
+            if prompt is not None:
+                out = torch.cat([out, prompt.attend(index, layer, both[rows:], qkv[rows:, heads + kv_heads:])])
+            hidden += _linear(layer.o_proj, out, kernel)
             gate_up = _projections(layer.mlp, GATE_UP, _rms_norm(layer.post_norm, hidden), kernel)
             gate, up = gate_up.split(self.intermediate, dim=-1)
             hidden += _linear(layer.down_proj, layer.act(gate).mul_(up), kernel)
         batch.grew(mask)
+        if prompt is not None:
+            prompt.grew()
+            hidden = torch.cat([hidden[:rows], hidden[-1:]])
         return self.lm_head.forward(_rms_norm(self.decoder.norm, hidden))[:, None]
+
+
+class PromptChunk:
+    """A prompt's tokens `start` onwards fed beside a decode step (`FastDecode.step`), appended to its own cache
+    (`cache`, holding the `start` tokens before them): causal attention over that cache, as a chunked prefill."""
+
+    def __init__(self, ids: list[int], start: int, cache: BatchCache, heads: int) -> None:
+        device = cache.mask.device
+        self.ids = torch.tensor(ids, dtype=torch.long, device=device)
+        self.positions = torch.arange(start, start + len(ids), device=device)[:, None]
+        self.cache, self.heads = cache, heads
+        self.mask = cache.mask_with(len(ids))  # [1, start + tokens]
+        causal = torch.ones((len(ids), self.mask.shape[1]), dtype=torch.bool, device=device).tril(start)
+        self.allowed = self.mask.bool()[:, None, None, :] & causal  # [1, 1, tokens, start + tokens]
+
+    def attend(self, index: int, layer: _Layer, rotated: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Layer `index`'s attention output [tokens, heads * head_dim] for the tokens' rotated queries and keys
+        `rotated` [tokens, heads + kv_heads, head_dim] and `values` [tokens, kv_heads, head_dim]."""
+        heads = self.heads
+        keys, values = self.cache.cache.update(rotated[:, heads:].transpose(0, 1)[None],
+                                               values.transpose(0, 1)[None], index)
+        query = rotated[:, :heads].transpose(0, 1)[None]  # [1, heads, tokens, head_dim]
+        out = short_attention_forward(layer.attention, query, keys, values, self.allowed, scaling=layer.scaling)[0]
+        return out.reshape(self.ids.shape[0], -1)
+
+    def grew(self) -> None:
+        self.cache.grew(self.mask)
 
 
 class _Layer:

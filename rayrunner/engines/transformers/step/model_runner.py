@@ -25,7 +25,7 @@ from rayrunner.engines.transformers.kv.kv_batch import BatchCache, new_cache
 from rayrunner.engines.transformers.kv.kv_budget import BatchShape
 from rayrunner.engines.transformers.kv.kv_memory import KvMemory, cache_bytes
 from rayrunner.engines.transformers.kv.prefix_cache import BLOCK, LayerKV, cache_of
-from rayrunner.engines.transformers.step.fast_decode import FastDecode
+from rayrunner.engines.transformers.step.fast_decode import FastDecode, PromptChunk
 from rayrunner.engines.transformers.step.sampling import Logprob, logprobs_of, sample
 from rayrunner.engines.transformers.step.sequence import Sequence
 from rayrunner.openai.events import TokenLogprob
@@ -155,6 +155,32 @@ class ModelRunner:
         else:
             logits = self._forward(running, ids, batch.mask_with(1), batch.next_positions(), batch)
         self.sample(running, logits[:, -1, :])
+
+    def mixes(self, sequence: Sequence) -> bool:
+        """Whether `sequence`'s prompt can be fed beside the next decode step (`decode_with_prompt`): a text prompt
+        of the base model, unscored, with rows decoding and a fast step that takes prompts."""
+        fast = self.fast_decode
+        plain = not sequence.extra_inputs and not sequence.scores_prompt and sequence.adapter is None
+        return (plain and fast is not None and fast.mixes_prompts and self.batch is not None
+                and (self.adapters is None or self.adapters.peft is None))
+
+    def decode_with_prompt(self, running: list[Sequence], max_positions: int | None, sequence: Sequence, start: int,
+                           end: int) -> tuple[torch.Tensor, BatchCache]:
+        """`decode`, with tokens `start` to `end` of `sequence`'s prefill fed in the same forward onto its chunk
+        cache (`start_chunk`'s; a new one from `start` 0 when it has none): that cache and the logits of its last
+        position (`mixes` said yes)."""
+        batch, fast = self.batch, self.fast_decode
+        assert batch is not None and fast is not None
+        if self.chunk is None:
+            self.start_chunk(sequence, 0)
+        cache = self.chunk
+        assert cache is not None
+        batch.max_positions = max_positions
+        ids = torch.tensor([[s.output_ids[-1]] for s in running], dtype=torch.long, device=self.device)
+        logits = fast.step(ids, batch, PromptChunk(sequence.prefill_ids[start:end], start, cache, fast.heads))
+        sequence.prefilled = end
+        self.sample(running, logits[:-1, -1, :])
+        return logits[-1:, -1, :], cache
 
     def sample(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
         scored = [row for row, s in enumerate(sequences) if s.params.logprobs is not None]

@@ -13,6 +13,9 @@ the planner (`planner`: on plain figures, what each step admits, chunks, preempt
    sequence's own sampling settings, after making room for the step in the KV budget (the planner says what gives
    way: prefix blocks, then the newest sequences, preempted), and retires the ones that finished (their blocks go to
    the prefix cache).
+When the step's prefill is one prompt (a short one alone, or a chunk) of a text prompt while rows decode, and the
+model has the fast decode step, 2 and 3 are one forward (vLLM's mixed batch): the decode rows ride along in the
+prompt's matmuls instead of reading every weight again in a pass of their own; the prompt joins after the step.
 Sequences join and leave between steps without recomputing anyone else's cache. Past `max_queued_requests` waiting
 sequences, `submit` refuses with `ServerOverloadedError` (HTTP 429). The loop runs on the engine's `ComputeThread`,
 the thread that loaded the model (`compute_thread` says why one thread does all the work). With LoRA adapters, one
@@ -263,8 +266,12 @@ class StepScheduler:
         """One scheduling step (public for tests that drive the scheduler without its thread)."""
         self._run_jobs()
         self._drop_cancelled()
-        self._prefill()
-        self._decode()
+        plan = self._plan_prefill()
+        if isinstance(plan, (Group, Chunk)) and self._mixes(plan):
+            self._decode_with_prompt(plan)
+        else:
+            self._prefill(plan)
+            self._decode()
         self.runner.measure()
         self.steps += 1
 
@@ -300,8 +307,7 @@ class StepScheduler:
 
     # ------------------------------------------------------------ prefill
 
-    def _prefill(self) -> None:
-        plan = self._plan_prefill()
+    def _prefill(self, plan: Prefill) -> None:
         if isinstance(plan, Refuse):
             self._refuse(plan)
         elif isinstance(plan, Group):
@@ -378,6 +384,40 @@ class StepScheduler:
             self._running.extend(choices)
         self._retire()
 
+    # ------------------------------------------------------------ a prompt fed beside the decode step
+
+    def _mixes(self, plan: Prefill) -> bool:
+        """Whether `plan`'s prompt is fed beside this step's decode rather than in a forward of its own: one
+        prompt (a group of one or a chunk) the runner can mix, while rows decode."""
+        span = _prompt_span(plan)
+        return span is not None and bool(self._running) and self.runner.mixes(span[0])
+
+    def _decode_with_prompt(self, plan: Group[Sequence] | Chunk[Sequence]) -> None:
+        """One forward for the decode rows and the planned prompt tokens; a prompt fully fed joins the running
+        batch after the step (`_started`). Preempted while room was made, it waits again and the rows decode alone;
+        with no rows left to decode, it is prefilled on its own."""
+        span = _prompt_span(plan)
+        assert span is not None
+        sequence, start, end = span
+        room = self._make_room(lambda: self.planner.room_for_step(self._kv(), self._by_age(), self._chunking))
+        if sequence is not self._chunking and sequence not in self._prefilling:
+            self._decode()
+            return
+        if self.runner.batch is None or not self._running:
+            self._prefill(plan)
+            return
+        running = list(self._running)
+        with self._cond:
+            self._chunking, self._prefilling = sequence, []  # its cache is the runner's chunk until it joins
+
+        def work() -> None:
+            logits, cache = self.runner.decode_with_prompt(running, room.max_positions, sequence, start, end)
+            if end == len(sequence.prefill_ids):
+                self._started([sequence], logits, cache)
+
+        self._guarded([*running, sequence], work)
+        self._retire()
+
     # ------------------------------------------------------------ decode and the KV moves
 
     def _decode(self) -> None:
@@ -449,3 +489,12 @@ class StepScheduler:
                     self._chunking = None
                     self.runner.drop_chunk()
             self._retire()
+
+
+def _prompt_span(plan: Prefill) -> tuple[Sequence, int, int] | None:
+    """The one prompt `plan` feeds and its tokens' span (sequence, start, end); None for several or none."""
+    if isinstance(plan, Chunk):
+        return plan.sequence, plan.start, plan.end
+    if isinstance(plan, Group) and len(plan.sequences) == 1:
+        return plan.sequences[0], 0, len(plan.sequences[0].prefill_ids)
+    return None
