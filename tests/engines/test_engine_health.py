@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 
@@ -48,9 +49,9 @@ async def test_a_stuck_step_fails_the_health_check(server: ModelServer, monkeypa
     assert engine is not None
     real_prefill = engine.scheduler._prefill  # type: ignore[attr-defined]
 
-    def slow_prefill() -> None:
+    def slow_prefill(plan: Any) -> None:
         time.sleep(2)
-        real_prefill()
+        real_prefill(plan)
 
     engine.scheduler._prefill = slow_prefill  # type: ignore[attr-defined,method-assign]
     asking = asyncio.ensure_future(server.chat(ASK))

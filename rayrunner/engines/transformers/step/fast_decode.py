@@ -10,7 +10,7 @@ the operations around it:
   no second copy), so a layer takes 4 int8 kernel calls instead of 7, made directly for a few bf16 rows; packed bf16
   weights share one packed weight each the same way (`FusedPack`);
 - RMSNorm inlined with transformers' operations (float32, in place where they allocate a scratch tensor);
-- RoPE on the query and key heads at once: one `addcmul` of the heads and their halves swapped (`roll`) against a
+- RoPE on the query and key heads at once: the heads times the cosine plus their halves swapped (`roll`) times a
   sine whose first half is negated;
 - keys and values appended into room reserved in the `BatchCache` (`append`), not concatenated;
 - attention as two matmuls and a softmax over the GQA groups, without repeating the key/value heads (cheaper on CPU
@@ -110,7 +110,9 @@ class FastDecode:
             both = qkv[:, : heads + kv_heads] if layer.q_norm is None else torch.cat(
                 [_rms_norm(layer.q_norm, qkv[:, :heads]), _rms_norm(layer.k_norm, qkv[:, heads: heads + kv_heads])],
                 dim=1)
-            both = torch.addcmul(both * cos, both.roll(half, dims=-1), sin)  # [width, heads + kv_heads, head_dim]
+            # RoPE rounded as transformers rounds it (two products, then their sum): a prompt's logits come out as
+            # its own prefill's, bit for bit, in bf16 too (one addcmul rounds once and can tip a near-tie)
+            both = both * cos + both.roll(half, dims=-1) * sin  # [width, heads + kv_heads, head_dim]
             keys, values = batch.append(index, both[:rows, heads:, None], qkv[:rows, heads + kv_heads:, None])
             window = self.windows[index]
             bias = biases.get(window)
