@@ -136,11 +136,8 @@ def load_model(spec: ModelSpec, auto_class: Any, with_processor: bool = False) -
     if with_processor:
         check_positions(model)
     if device == "cpu":
-        from rayrunner.engines.transformers.short_attention import use_short_attention
-
         widen_linears(model)  # prefill matmuls in float32 where this CPU has no native bf16/fp16 GEMM
         pack_linears(model)  # bf16 weights prepacked for oneDNN where this CPU has a native bf16 GEMM
-        use_short_attention(model)  # short prompts' attention as two matmuls, not SDPA's slower CPU kernel
     with _as_load_error(spec):
         tok_path = tok_location or source.path
         tok_kwargs: dict[str, Any] = {} if tok_location else {"gguf_file": source.gguf_file}

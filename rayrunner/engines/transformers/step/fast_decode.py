@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rayrunner.engines.transformers.kv.kv_batch import BatchCache, layer_windows, mergeable
-from rayrunner.engines.transformers.short_attention import short_attention_forward
 from rayrunner.quantization.cpu_gemm import wide_dtype
 from rayrunner.quantization.int8_rows import KERNEL_IN_MULTIPLE, KERNEL_MAX_ROWS, Int8Linear, int8_matmul, share_storage
 from rayrunner.quantization.packed_linear import fused_pack
@@ -144,7 +144,9 @@ class PromptChunk:
         self.cache, self.heads = cache, heads
         self.mask = cache.mask_with(len(ids))  # [1, start + tokens]
         causal = torch.ones((len(ids), self.mask.shape[1]), dtype=torch.bool, device=device).tril(start)
-        self.allowed = self.mask.bool()[:, None, None, :] & causal  # [1, 1, tokens, start + tokens]
+        # transformers' own masks for SDPA: none for a whole prompt (causal), else [1, 1, tokens, start + tokens],
+        # so that the prompt's logits are its own prefill's bit for bit
+        self.allowed = self.mask.bool()[:, None, None, :] & causal if start else None
 
     def attend(self, index: int, layer: _Layer, rotated: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Layer `index`'s attention output [tokens, heads * head_dim] for the tokens' rotated queries and keys
@@ -153,7 +155,7 @@ class PromptChunk:
         keys, values = self.cache.cache.update(rotated[:, heads:].transpose(0, 1)[None],
                                                values.transpose(0, 1)[None], index)
         query = rotated[:, :heads].transpose(0, 1)[None]  # [1, heads, tokens, head_dim]
-        out = short_attention_forward(layer.attention, query, keys, values, self.allowed, scaling=layer.scaling)[0]
+        out = sdpa_attention_forward(layer.attention, query, keys, values, self.allowed, scaling=layer.scaling)[0]
         return out.reshape(self.ids.shape[0], -1)
 
     def grew(self) -> None:
