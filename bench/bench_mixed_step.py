@@ -13,15 +13,13 @@ Run: `.venv/bin/python bench/bench_mixed_step.py [--threads 1] [--streams 16] [-
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from bench_decode_step import load
-from bench_turnover import rate
-from cpu_kind import cpu_line
+from bench_turnover import add_arguments, compare
 
 from rayrunner.engines.transformers.step.model_runner import ModelRunner
 
@@ -40,30 +38,14 @@ def prompts_alone() -> Iterator[None]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--level", default="bf16", help="bf16 or an ISQ level")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = load(args.level)
     sides: dict[str, Callable[[], Any]] = {"prompt in its own forward": prompts_alone,
                                            "prompt beside the decode": nullcontext}
-    rates: dict[str, list[float]] = {side: [] for side in sides}
-    for round_ in range(args.rounds):
-        for side, mode in sides.items():
-            with mode():
-                rates[side].append(rate(model, args, seed=round_))
-    print(cpu_line())
-    print(f"SmolLM2 {args.level}, {args.streams} streams of {args.max_tokens} tokens replaced as they finish, "
-          f"~124-token prompts, torch threads {args.threads}, {args.steps} steps a round")
-    print("| side | tok/s by round | median |\n|---|---|---|")
-    for side, figures in rates.items():
-        print(f"| {side} | {', '.join(f'{f:.1f}' for f in figures)} | {statistics.median(figures):.1f} |")
-    ratio = statistics.median(rates["prompt beside the decode"]) / statistics.median(rates["prompt in its own forward"])
+    medians = compare(load(args.level), args, sides, args.level)
+    ratio = medians["prompt beside the decode"] / medians["prompt in its own forward"]
     print(f"SUMMARY: beside / own forward {ratio:.3f}x")
-
 
 if __name__ == "__main__":
     main()

@@ -104,31 +104,38 @@ def rate(model: Any, args: argparse.Namespace, seed: int) -> float:
     return (load_.tokens() - before) / (time.perf_counter() - started)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model = load("bf16")
-    sides: dict[str, Callable[[], Any]] = {"gather anew": gathering, "in room": nullcontext}
+
+
+def compare(model: Any, args: argparse.Namespace, sides: dict[str, Callable[[], Any]], level: str) -> dict[str, float]:
+    """Each side's output tok/s on this load, the sides alternating for `args.rounds` rounds; the table printed with
+    the CPU's kind, and each side's median returned."""
     rates: dict[str, list[float]] = {side: [] for side in sides}
     for round_ in range(args.rounds):
         for side, mode in sides.items():
             with mode():
                 rates[side].append(rate(model, args, seed=round_))
     print(cpu_line())
-    print(f"SmolLM2 bf16, {args.streams} streams of {args.max_tokens} tokens replaced as they finish, "
+    print(f"SmolLM2 {level}, {args.streams} streams of {args.max_tokens} tokens replaced as they finish, "
           f"{PROMPT_TOKENS}-token prompts, torch threads {args.threads}, {args.steps} steps a round")
     print("| side | tok/s by round | median |\n|---|---|---|")
     for side, figures in rates.items():
         print(f"| {side} | {', '.join(f'{f:.1f}' for f in figures)} | {statistics.median(figures):.1f} |")
-    ratio = statistics.median(rates["in room"]) / statistics.median(rates["gather anew"])
-    print(f"SUMMARY: in room / gather anew {ratio:.3f}x")
+    return {side: statistics.median(figures) for side, figures in rates.items()}
 
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    medians = compare(load("bf16"), args, {"gather anew": gathering, "in room": nullcontext}, "bf16")
+    print(f"SUMMARY: in room / gather anew {medians['in room'] / medians['gather anew']:.3f}x")
 
 if __name__ == "__main__":
     main()

@@ -82,7 +82,12 @@ class FusedPack:
         """Linear `index`'s plain weight, unpacked (a tensor of its own)."""
         start, end = self.bounds[index]
         with torch.inference_mode(False):
-            return self.packed.to_dense().reshape(self.bounds[-1][1], -1)[start:end].clone()
+            return self._dense[start:end].clone()
+
+    @functools.cached_property
+    def _dense(self) -> torch.Tensor:
+        """The shared weight unpacked, once for all its Linears (it goes with this pack once they all unpacked)."""
+        return self.packed.to_dense().reshape(self.bounds[-1][1], -1)
 
 
 class PackedLinear(nn.Linear):

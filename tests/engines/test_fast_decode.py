@@ -34,10 +34,10 @@ def _model(folder: str, dtype: torch.dtype, isq: str | None = None) -> torch.nn.
 
 
 @torch.inference_mode()
-def _prefilled(model: torch.nn.Module) -> BatchCache:
-    """A batch of `PROMPTS`, each prefilled alone and merged (as the scheduler does)."""
+def _prefilled(model: torch.nn.Module, prompts: list[list[int]] = PROMPTS) -> BatchCache:
+    """A batch of `prompts`, each prefilled alone and merged (as the scheduler does)."""
     batch = None
-    for prompt in PROMPTS:
+    for prompt in prompts:
         cache = BatchCache(new_cache(model.config), torch.zeros((1, 0), dtype=torch.long, device=model.device))
         mask = cache.mask_with(len(prompt))
         model(input_ids=torch.tensor([prompt], device=model.device), attention_mask=mask,

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from rayrunner.engines.transformers.kv.kv_batch import BatchCache, new_cache
 from rayrunner.engines.transformers.step.fast_decode import FastDecode, PromptChunk
+from tests.engines.test_fast_decode import _prefilled, _qwen3
 
 ROWS = [[5, 9, 14, 3, 7], [21, 4, 8, 30, 11, 2, 19, 6, 12]]  # decoding, left-padded to 9 in one batch
 PROMPT = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]
 
 
-def _empty(model: torch.nn.Module, rows: int = 1) -> BatchCache:
-    return BatchCache(new_cache(model.config), torch.zeros((rows, 0), dtype=torch.long))
+def _empty(model: torch.nn.Module) -> BatchCache:
+    return BatchCache(new_cache(model.config), torch.zeros((1, 0), dtype=torch.long))
 
 
 def _prefill(model: torch.nn.Module, cache: BatchCache, tokens: list[int], start: int) -> torch.Tensor:
@@ -26,26 +27,6 @@ def _prefill(model: torch.nn.Module, cache: BatchCache, tokens: list[int], start
                    position_ids=torch.arange(start, start + len(tokens))[None], cache=cache.cache).logits
     cache.grew(mask)
     return logits[:, -1]
-
-
-def _batch(model: torch.nn.Module) -> BatchCache:
-    batch = None
-    for row in ROWS:
-        cache = _empty(model)
-        _prefill(model, cache, row, 0)
-        if batch is None:
-            batch = cache
-        else:
-            batch.merge(cache)
-    assert batch is not None
-    return batch
-
-
-def _qwen3() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    return Qwen3ForCausalLM(config).eval()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -58,11 +39,11 @@ def test_a_prompt_beside_the_decode_rows_gets_its_own_prefill_and_the_rows_their
     fast = FastDecode.for_model(model)
     assert fast is not None and fast.mixes_prompts
     ids = torch.tensor([[row[-1]] for row in ROWS])
-    alone_batch, alone_prompt = _batch(model), _empty(model)
+    alone_batch, alone_prompt = _prefilled(model, ROWS), _empty(model)
     want_rows = fast.step(ids, alone_batch)
     want_prompt = _prefill(model, alone_prompt, PROMPT, 0)
 
-    batch, prompt = _batch(model), _empty(model)
+    batch, prompt = _prefilled(model, ROWS), _empty(model)
     if start:
         _prefill(model, prompt, PROMPT[:start], 0)
     got = fast.step(ids, batch, PromptChunk(PROMPT[start:], start, prompt, fast.heads))

@@ -149,7 +149,7 @@ class ModelRunner:
         if batch is None:
             return
         batch.max_positions = max_positions
-        ids = torch.tensor([[s.output_ids[-1]] for s in running], dtype=torch.long, device=self.device)
+        ids = self._last_tokens(running)
         if self.fast_decode is not None and (self.adapters is None or self.adapters.peft is None):
             logits = self.fast_decode.step(ids, batch)
         else:
@@ -176,11 +176,15 @@ class ModelRunner:
         cache = self.chunk
         assert cache is not None
         batch.max_positions = max_positions
-        ids = torch.tensor([[s.output_ids[-1]] for s in running], dtype=torch.long, device=self.device)
+        ids = self._last_tokens(running)
         logits = fast.step(ids, batch, PromptChunk(sequence.prefill_ids[start:end], start, cache, fast.heads))
         sequence.prefilled = end
         self.sample(running, logits[:-1, -1, :])
         return logits[-1:, -1, :], cache
+
+    def _last_tokens(self, running: list[Sequence]) -> torch.Tensor:
+        """Each running sequence's last token [rows, 1]: what a decode step feeds."""
+        return torch.tensor([[s.output_ids[-1]] for s in running], dtype=torch.long, device=self.device)
 
     def sample(self, sequences: list[Sequence], logits: torch.Tensor) -> None:
         scored = [row for row, s in enumerate(sequences) if s.params.logprobs is not None]
