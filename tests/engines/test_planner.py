@@ -12,7 +12,7 @@ import pytest
 
 from rayrunner.engines.transformers.kv.kv_budget import MIN_ROOM, BatchShape, KvBudget, grown
 from rayrunner.engines.transformers.step.admission import Admission
-from rayrunner.engines.transformers.step.planner import Chunk, Group, KvState, Planner, Refuse, Room
+from rayrunner.engines.transformers.step.planner import Beside, Chunk, Group, KvState, Planner, Refuse, Room
 from tests.engines.test_admission import Seq
 
 POSITION = 10  # bytes of one cached position of one row
@@ -78,6 +78,24 @@ def test_a_prompt_whose_start_is_cached_starts_from_those_tokens_alone() -> None
     assert planner().admit([a, b], [0, 32], [], free_slots=8, kv=ROOMY) == Group((a,))  # b then goes alone
     long = Seq(600)
     assert planner().admit([long], [512], [], free_slots=8, kv=ROOMY) == Chunk(long, 512, 600, first=True, last=True)
+
+
+def test_beside_decoding_rows_whole_prompts_start_together_from_their_cached_tokens() -> None:
+    a, b, c, image = Seq(40), Seq(40), Seq(30), Seq(10, extra_inputs={"pixel_values": 1})
+    running = [Seq(5)]
+
+    def admit(waiting: list[Seq], cached: list[int], chunk_tokens: int = 64, free_slots: int = 8,
+              kv: KvState = ROOMY) -> object:
+        return planner(chunk_tokens).admit(waiting, cached, running, free_slots, kv,
+                                           mixes=lambda s: not s.extra_inputs)
+
+    assert admit([a, b, c], [32, 0, 16]) == Beside((a, b, c), (32, 0, 16))  # 8 + 40 + 14 new tokens
+    assert admit([a, b, c], [32, 0, 16], chunk_tokens=60) == Beside((a, b), (32, 0))
+    assert admit([a, b, c], [32, 0, 16], free_slots=2) == Beside((a, b), (32, 0))
+    assert admit([a, b, c], [32, 0, 16], kv=KvState(budget_of(2 * (40 + MIN_ROOM)))) == Beside((a, b), (32, 0))
+    assert admit([image, a], []) == Group((image,))  # what cannot be fed beside starts as before
+    long = Seq(100)
+    assert admit([long, a], [], chunk_tokens=32) == Chunk(long, 0, 32, first=True, last=False)  # chunked as before
 
 
 def test_room_for_a_step_takes_prefix_blocks_before_any_sequence() -> None:

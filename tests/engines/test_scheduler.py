@@ -166,13 +166,13 @@ def test_joining_and_leaving_keeps_each_sequence_exact(tiny_llama_dir: str, fast
     def run(batched: bool) -> list[list[int]]:
         scheduler = StepScheduler(model, SchedulerLimits(max_num_seqs=8, prefill_chunk_tokens=16))
         scheduler.fast_decode = FastDecode.for_model(model) if fast else None
-        runner, mix = scheduler.runner, scheduler.runner.decode_with_prompt
+        runner, mix = scheduler.runner, scheduler.runner.decode_with_prompts
 
         def counted(*args: Any) -> Any:
             mixed.append(batched)
             return mix(*args)
 
-        runner.decode_with_prompt = counted  # type: ignore[method-assign]  # counts, then runs the real step
+        runner.decode_with_prompts = counted  # type: ignore[method-assign]  # counts, then runs the real step
         seqs = [Sequence(p, SamplingParams(max_tokens=6 + 3 * i), Detokenizer(tokenizer, []), set(), loop)
                 for i, p in enumerate(prompts)]
         for s in seqs:
@@ -188,6 +188,40 @@ def test_joining_and_leaving_keeps_each_sequence_exact(tiny_llama_dir: str, fast
     mixed: list[bool] = []
     assert run(batched=True) == run(batched=False)
     assert mixed == ([True] * len(mixed) if fast else []) and (len(mixed) >= 3 or not fast)  # only joiners mix
+    loop.close()
+
+
+@pytest.mark.slow
+def test_prompts_arriving_together_start_in_one_step_beside_the_rows(tiny_llama_dir: str) -> None:
+    """Short prompts arriving while a sequence decodes start together, as many as one chunk's tokens hold, fed
+    beside the decode row; each decodes exactly as it does alone (float32)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    loop = asyncio.new_event_loop()
+    prompts = [[1, 2, 3], list(range(20, 30)), [9] * 7, list(range(100, 113))]
+
+    @torch.inference_mode()  # as the scheduler's loop steps
+    def run(together: bool) -> list[list[int]]:
+        scheduler = StepScheduler(model, SchedulerLimits(max_num_seqs=8, prefill_chunk_tokens=20))
+        scheduler.fast_decode = FastDecode.for_model(model)
+        seqs = [Sequence(p, SamplingParams(max_tokens=8), Detokenizer(tokenizer, []), set(), loop) for p in prompts]
+        for s in seqs if not together else seqs[:1]:
+            scheduler.submit(s)
+            while not together and not s.done:
+                scheduler.step()
+        if together:
+            scheduler.step()
+            for s in seqs[1:]:
+                scheduler.submit(s)
+            scheduler.step()  # 10 + 7 tokens fit one chunk of 20, the third prompt's 13 more do not
+            assert [len(s.output_ids) for s in seqs] == [3, 1, 1, 0]
+            scheduler.step()
+            assert [len(s.output_ids) for s in seqs] == [4, 2, 2, 1]
+        while any(not s.done for s in seqs):
+            scheduler.step()
+        return [s.output_ids for s in seqs]
+
+    assert run(together=True) == run(together=False)
     loop.close()
 
 

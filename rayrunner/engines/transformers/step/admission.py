@@ -4,14 +4,15 @@ A step prefills either one group of whole prompts, left-padded into one batch, o
 group is taken from the head of the queue, in order, while it fits the free sequence slots, the chunk's token
 budget (its longest prompt times its size) and the KV memory budget (`fits`, the planner's); a prompt that needs a
 pass of its own (images, prompt logprobs, a prompt longer than one chunk, one that starts from cached prefix blocks)
-goes alone; a sequence for a LoRA adapter waits while `max_adapters` others are in use. Pure logic over the
-sequences' sizes: tested without a model.
+goes alone; a sequence for a LoRA adapter waits while `max_adapters` others are in use. While rows decode, whole
+text prompts (cached blocks or not) may instead be fed beside the decode step, several at once within one chunk's
+tokens (`beside`). Pure logic over the sequences' sizes: tested without a model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 
 class Waiting(Protocol):
@@ -34,6 +35,9 @@ class Waiting(Protocol):
 
     @property
     def scores_prompt(self) -> bool: ...  # its prompt's logprobs are scored, in a pass of its own
+
+
+W = TypeVar("W", bound=Waiting)
 
 
 class Admission:
@@ -67,6 +71,21 @@ class Admission:
             taken.append(candidate)
             if alone:
                 break
+        return len(taken)
+
+    def beside(self, waiting: Sequence[W], free_slots: int, fits: Callable[[list[W]], bool],
+               mixes: Callable[[W], bool]) -> int:
+        """How many sequences from the head of `waiting` are fed whole beside the next decode step (`mixes` says
+        which can be: text prompts of the base model), each from the tokens its start finds cached, their new
+        tokens together within one chunk, within the free slots and the KV budget (`fits`)."""
+        taken: list[W] = []
+        tokens = 0
+        for candidate in waiting:
+            tokens += len(candidate.prefill_ids) - candidate.prefilled
+            if (tokens > self.chunk_tokens or sum(s.slots for s in taken) + candidate.slots > free_slots
+                    or self.one_per_pass or not mixes(candidate) or not fits([*taken, candidate])):
+                break
+            taken.append(candidate)
         return len(taken)
 
     def alone(self, sequence: Waiting) -> bool:

@@ -25,6 +25,8 @@ and what was tried and left out, is in docs/performance.md ("Decode").
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -87,15 +89,18 @@ class FastDecode:
         return all(window is None for window in self.windows)
 
     @torch.inference_mode()
-    def step(self, ids: torch.Tensor, batch: BatchCache, prompt: PromptChunk | None = None) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, batch: BatchCache, prompts: Sequence[PromptChunk] = ()) -> torch.Tensor:
         """Feed `ids` [rows, 1], one token per row of `batch`, and append their keys and values to it; the logits
-        [rows, 1, vocab]. With a `prompt` (see `mixes_prompts`), its tokens go through the same forward after the
-        rows (vLLM's mixed batch: the decode rows ride along in the prompt's matmuls) and its last position's logits
-        come after the rows' [rows + 1, 1, vocab]."""
+        [rows, 1, vocab]. With `prompts` (see `mixes_prompts`), their tokens go through the same forward after the
+        rows (vLLM's mixed batch: the decode rows ride along in the prompts' matmuls) and each one's last position's
+        logits come after the rows' [rows + prompts, 1, vocab]."""
         mask, positions = batch.mask_with(1), batch.next_positions()
         rows, tokens = ids.shape[0], ids[:, 0]
-        if prompt is not None:
-            tokens, positions = torch.cat([tokens, prompt.ids]), torch.cat([positions, prompt.positions])
+        if prompts:
+            tokens = torch.cat([tokens, *(prompt.ids for prompt in prompts)])
+            positions = torch.cat([positions, *(prompt.positions for prompt in prompts)])
+        # each prompt's tokens among the step's, after the rows'
+        spans = list(itertools.pairwise(itertools.accumulate((len(prompt.ids) for prompt in prompts), initial=rows)))
         hidden = self.decoder.embed_tokens.forward(tokens)  # [rows (+ prompt tokens), hidden]: one position each
         cos, sin = self.decoder.rotary_emb.forward(hidden, positions)  # [rows (+ prompt tokens), 1, head_dim]
         half = self.head_dim // 2
@@ -120,16 +125,18 @@ class FastDecode:
                 bias = biases[window] = _attention_bias(mask, keys.shape[2], window)
             out = _grouped_attention(both[:rows, :heads].reshape(rows, kv_heads, -1, dim), keys, values, bias,
                                      layer.scaling).view(rows, -1)
-            if prompt is not None:
-                out = torch.cat([out, prompt.attend(index, layer, both[rows:], qkv[rows:, heads + kv_heads:])])
+            if prompts:
+                out = torch.cat([out, *(prompt.attend(index, layer, both[start:end], qkv[start:end, heads + kv_heads:])
+                                        for prompt, (start, end) in zip(prompts, spans, strict=True))])
             hidden += _linear(layer.o_proj, out, kernel)
             gate_up = _projections(layer.mlp, GATE_UP, _rms_norm(layer.post_norm, hidden), kernel)
             gate, up = gate_up.split(self.intermediate, dim=-1)
             hidden += _linear(layer.down_proj, layer.act(gate).mul_(up), kernel)
         batch.grew(mask)
-        if prompt is not None:
+        for prompt in prompts:
             prompt.grew()
-            hidden = torch.cat([hidden[:rows], hidden[-1:]])
+        if prompts:
+            hidden = hidden[[*range(rows), *(end - 1 for _, end in spans)]]
         return self.lm_head.forward(_rms_norm(self.decoder.norm, hidden))[:, None]
 
 

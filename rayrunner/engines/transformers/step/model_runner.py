@@ -95,13 +95,17 @@ class ModelRunner:
         return logits[:, -1, :], cache
 
     def start_chunk(self, sequence: Sequence, start: int) -> None:
-        """The cache a chunked prefill starts from: the `start` tokens' blocks found in the prefix cache, or none."""
+        """The cache a chunked prefill starts from (`prompt_cache`)."""
+        self.chunk = self.prompt_cache(sequence, start)
+
+    def prompt_cache(self, sequence: Sequence, start: int) -> BatchCache:
+        """A cache of its own for `sequence`'s prefill: the `start` tokens' blocks found in the prefix cache, or
+        none."""
         blocks = self._found.get(id(sequence)) if start else None
         if not blocks:
             empty = torch.zeros((1, 0), dtype=torch.long, device=self.device)
-            self.chunk = BatchCache(new_cache(self.model.config), empty)
-            return
-        self.chunk = BatchCache(cache_of(blocks), torch.ones((1, start), dtype=torch.long, device=self.device))
+            return BatchCache(new_cache(self.model.config), empty)
+        return BatchCache(cache_of(blocks), torch.ones((1, start), dtype=torch.long, device=self.device))
 
     def prefill_chunk(self, sequence: Sequence, start: int, end: int) -> tuple[torch.Tensor, BatchCache]:
         """Feed tokens `start` to `end` of `sequence`'s prefill onto its chunk cache: the last position's logits, and
@@ -157,30 +161,30 @@ class ModelRunner:
         self.sample(running, logits[:, -1, :])
 
     def mixes(self, sequence: Sequence) -> bool:
-        """Whether `sequence`'s prompt can be fed beside the next decode step (`decode_with_prompt`): a text prompt
+        """Whether `sequence`'s prompt can be fed beside the next decode step (`decode_with_prompts`): a text prompt
         of the base model, unscored, with rows decoding and a fast step that takes prompts."""
         fast = self.fast_decode
         plain = not sequence.extra_inputs and not sequence.scores_prompt and sequence.adapter is None
         return (plain and fast is not None and fast.mixes_prompts and self.batch is not None
                 and (self.adapters is None or self.adapters.peft is None))
 
-    def decode_with_prompt(self, running: list[Sequence], max_positions: int | None, sequence: Sequence, start: int,
-                           end: int) -> tuple[torch.Tensor, BatchCache]:
-        """`decode`, with tokens `start` to `end` of `sequence`'s prefill fed in the same forward onto its chunk
-        cache (`start_chunk`'s; a new one from `start` 0 when it has none): that cache and the logits of its last
-        position (`mixes` said yes)."""
+    def decode_with_prompts(self, running: list[Sequence], max_positions: int | None,
+                            prompts: list[tuple[Sequence, int, int, BatchCache]]) -> list[torch.Tensor]:
+        """`decode`, with tokens `start` to `end` of each (sequence, start, end, cache) of `prompts` fed in the same
+        forward onto that cache (its own: `prompt_cache`, or `chunk`): the logits of each one's last position
+        (`mixes` said yes for each)."""
         batch, fast = self.batch, self.fast_decode
         assert batch is not None and fast is not None
-        if self.chunk is None:
-            self.start_chunk(sequence, 0)
-        cache = self.chunk
-        assert cache is not None
         batch.max_positions = max_positions
         ids = self._last_tokens(running)
-        logits = fast.step(ids, batch, PromptChunk(sequence.prefill_ids[start:end], start, cache, fast.heads))
-        sequence.prefilled = end
-        self.sample(running, logits[:-1, -1, :])
-        return logits[-1:, -1, :], cache
+        chunks = [PromptChunk(sequence.prefill_ids[start:end], start, cache, fast.heads)
+                  for sequence, start, end, cache in prompts]
+        logits = fast.step(ids, batch, chunks)
+        for sequence, _, end, _ in prompts:
+            sequence.prefilled = end
+        rows = len(running)
+        self.sample(running, logits[:rows, -1, :])
+        return [logits[row: row + 1, -1, :] for row in range(rows, rows + len(prompts))]
 
     def _last_tokens(self, running: list[Sequence]) -> torch.Tensor:
         """Each running sequence's last token [rows, 1]: what a decode step feeds."""

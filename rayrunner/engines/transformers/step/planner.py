@@ -16,7 +16,8 @@ model (tests/engines/test_planner.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -53,6 +54,25 @@ class Chunk(Generic[S]):
     first: bool
     last: bool
 
+    @property
+    def spans(self) -> list[tuple[S, int, int]]:
+        """The prompt it feeds and its tokens' span (sequence, start, end)."""
+        return [(self.sequence, self.start, self.end)]
+
+
+@dataclass(frozen=True)
+class Beside(Generic[S]):
+    """Whole prompts from the head of the queue, fed beside the next decode step (each on a cache of its own,
+    starting from the tokens `starts[i]` found in the prefix cache); they join the running batch after it."""
+
+    sequences: tuple[S, ...]
+    starts: tuple[int, ...]
+
+    @property
+    def spans(self) -> list[tuple[S, int, int]]:
+        """The prompts it feeds and their tokens' spans (sequence, start, end)."""
+        return [(s, start, len(s.prefill_ids)) for s, start in zip(self.sequences, self.starts, strict=True)]
+
 
 @dataclass(frozen=True)
 class Refuse(Generic[S]):
@@ -84,11 +104,18 @@ class Planner:
         self.admission = admission
 
     def admit(self, waiting: Sequence[S], cached: Sequence[int], running: Sequence[Waiting], free_slots: int,
-              kv: KvState) -> Group[S] | Chunk[S] | Refuse[S] | None:
+              kv: KvState, mixes: Callable[[S], bool] | None = None
+              ) -> Group[S] | Chunk[S] | Beside[S] | Refuse[S] | None:
         """What starts from the head of `waiting` (those that may start: `free_slots` of them, at least one), beside
-        `running`; `cached[i]`: the tokens `waiting[i]`'s start finds in the prefix cache (missing: none)."""
+        `running`; `cached[i]`: the tokens `waiting[i]`'s start finds in the prefix cache (missing: none);
+        `mixes(s)`: whether `s`'s prompt can be fed beside the decode step (None: no step decodes)."""
         found = [_Found(s, cached[i] if i < len(cached) else 0) for i, s in enumerate(waiting)]
-        count = self.admission.group(found, running, free_slots, lambda group: _fits(group, kv))
+        fits = functools.partial(_fits, kv=kv)
+        if mixes is not None:
+            count = self.admission.beside(found, free_slots, fits, lambda f: mixes(f.sequence))
+            if count:
+                return Beside(tuple(f.sequence for f in found[:count]), tuple(f.prefilled for f in found[:count]))
+        count = self.admission.group(found, running, free_slots, fits)
         if count == 0:
             if found and not _fits(found[:1], kv, alone=True):
                 head = found[0]

@@ -13,9 +13,9 @@ the planner (`planner`: on plain figures, what each step admits, chunks, preempt
    sequence's own sampling settings, after making room for the step in the KV budget (the planner says what gives
    way: prefix blocks, then the newest sequences, preempted), and retires the ones that finished (their blocks go to
    the prefix cache).
-When the step's prefill is one prompt (a short one alone, or a chunk) of a text prompt while rows decode, and the
-model has the fast decode step, 2 and 3 are one forward (vLLM's mixed batch): the decode rows ride along in the
-prompt's matmuls instead of reading every weight again in a pass of their own; the prompt joins after the step.
+While rows decode and the model has the fast decode step, text prompts are fed beside them in one forward (vLLM's
+mixed batch): several whole ones within one chunk's tokens (each from the blocks it finds cached), or a chunk; the
+decode rows ride along in the prompts' matmuls, and the prompts join after the step.
 Sequences join and leave between steps without recomputing anyone else's cache. Past `max_queued_requests` waiting
 sequences, `submit` refuses with `ServerOverloadedError` (HTTP 429). The loop runs on the engine's `ComputeThread`,
 the thread that loaded the model (`compute_thread` says why one thread does all the work). With LoRA adapters, one
@@ -47,7 +47,7 @@ from rayrunner.engines.transformers.step.admission import Admission
 from rayrunner.engines.transformers.step.compute_thread import ComputeThread
 from rayrunner.engines.transformers.step.fast_decode import FastDecode
 from rayrunner.engines.transformers.step.model_runner import ModelRunner, logits_width
-from rayrunner.engines.transformers.step.planner import Chunk, Group, KvState, Planner, Refuse, Room
+from rayrunner.engines.transformers.step.planner import Beside, Chunk, Group, KvState, Planner, Refuse, Room
 from rayrunner.engines.transformers.step.sequence import Sequence, events_of
 from rayrunner.errors import InvalidRequestError, ServerOverloadedError
 from rayrunner.models.spec import EngineSettings
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 _REPORT_S = 0.5  # the running/queued gauges' refresh while busy
 STUCK_STEP_S = 300.0  # one step (a prefill chunk and a decode) taking longer than this means the engine is wedged
 T = TypeVar("T")
-Prefill = Group[Sequence] | Chunk[Sequence] | Refuse[Sequence] | None
+Prefill = Group[Sequence] | Chunk[Sequence] | Beside[Sequence] | Refuse[Sequence] | None
 
 
 @dataclass(frozen=True)
@@ -267,8 +267,8 @@ class StepScheduler:
         self._run_jobs()
         self._drop_cancelled()
         plan = self._plan_prefill()
-        if isinstance(plan, (Group, Chunk)) and self._mixes(plan):
-            self._decode_with_prompt(plan)
+        if isinstance(plan, Beside) or (isinstance(plan, Chunk) and self._mixes(plan)):
+            self._decode_with_prompts(plan)
         else:
             self._prefill(plan)
             self._decode()
@@ -316,6 +316,10 @@ class StepScheduler:
         elif isinstance(plan, Chunk):
             chunk = plan
             self._guarded([chunk.sequence], lambda: self._prefill_chunk(chunk))
+        elif isinstance(plan, Beside):  # no rows left to decode beside: they wait again
+            with self._cond:
+                self._prefilling = []
+                self._waiting.extendleft(reversed(plan.sequences))
 
     def _plan_prefill(self) -> Prefill:
         """This step's prefill, as the planner has it: the next chunk of the prompt being chunked, else what starts
@@ -328,7 +332,8 @@ class StepScheduler:
         with self._cond:
             candidates = list(self._waiting)[: max(self._free_slots(), 1)]
             cached = self.runner.find_prefixes(candidates)
-            plan = self.planner.admit(candidates, cached, self._running, self._free_slots(), self._kv())
+            mixes = self.runner.mixes if self._running else None
+            plan = self.planner.admit(candidates, cached, self._running, self._free_slots(), self._kv(), mixes)
             self._take(plan)
         return plan
 
@@ -342,12 +347,19 @@ class StepScheduler:
                 sequence.prefilled = 0  # a group is prefilled whole
             self._prefilling = list(plan.sequences)
         elif isinstance(plan, Chunk):
-            sequence = self._waiting.popleft()
-            sequence.prefilled = plan.start  # the tokens found in the prefix cache, which its cache starts with
-            if plan.start and not sequence.resumed:
-                sequence.cached_tokens = plan.start
-            self._chunking = sequence
-            self.runner.start_chunk(sequence, plan.start)
+            self._chunking = self._take_cached(plan.start)
+            self.runner.start_chunk(self._chunking, plan.start)
+        elif isinstance(plan, Beside):
+            self._prefilling = [self._take_cached(start) for start in plan.starts]
+
+    def _take_cached(self, start: int) -> Sequence:
+        """Take the head of the queue, whose cache starts with the `start` tokens found in the prefix cache (call
+        with the lock held)."""
+        sequence = self._waiting.popleft()
+        sequence.prefilled = start
+        if start and not sequence.resumed:
+            sequence.cached_tokens = start
+        return sequence
 
     def _refuse(self, plan: Refuse[Sequence]) -> None:
         """A sequence that cannot fit the KV budget even alone: a prompt is refused (400); a resumed sequence (its
@@ -386,36 +398,36 @@ class StepScheduler:
 
     # ------------------------------------------------------------ a prompt fed beside the decode step
 
-    def _mixes(self, plan: Prefill) -> bool:
-        """Whether `plan`'s prompt is fed beside this step's decode rather than in a forward of its own: one
-        prompt (a group of one or a chunk) the runner can mix, while rows decode."""
-        span = _prompt_span(plan)
-        return span is not None and bool(self._running) and self.runner.mixes(span[0])
+    def _mixes(self, plan: Chunk[Sequence]) -> bool:
+        """Whether the chunk is fed beside this step's decode rather than in a forward of its own."""
+        return bool(self._running) and self.runner.mixes(plan.sequence)
 
-    def _decode_with_prompt(self, plan: Group[Sequence] | Chunk[Sequence]) -> None:
-        """One forward for the decode rows and the planned prompt tokens; a prompt fully fed joins the running
-        batch after the step (`_started`). Preempted while room was made, it waits again and the rows decode alone;
-        with no rows left to decode, it is prefilled on its own."""
-        span = _prompt_span(plan)
-        assert span is not None
-        sequence, start, end = span
+    def _decode_with_prompts(self, plan: Chunk[Sequence] | Beside[Sequence]) -> None:
+        """One forward for the decode rows and the planned prompts' tokens; prompts fully fed join the running
+        batch after the step (`_started`). A chunk preempted while room was made waits again and the rows decode
+        alone; with no rows left to decode, the prompts are prefilled on their own (a chunk) or wait again."""
         room = self._make_room(lambda: self.planner.room_for_step(self._kv(), self._by_age(), self._chunking))
-        if sequence is not self._chunking and sequence not in self._prefilling:
+        spans = [(s, start, end) for s, start, end in plan.spans if s is self._chunking or s in self._prefilling]
+        if not spans:
             self._decode()
             return
         if self.runner.batch is None or not self._running:
             self._prefill(plan)
             return
-        running = list(self._running)
-        with self._cond:
-            self._chunking, self._prefilling = sequence, []  # its cache is the runner's chunk until it joins
+        running, runner = list(self._running), self.runner
+        prompts = [(s, start, end, runner.chunk if s is self._chunking and runner.chunk is not None
+                    else runner.prompt_cache(s, start)) for s, start, end in spans]
 
         def work() -> None:
-            logits, cache = self.runner.decode_with_prompt(running, room.max_positions, sequence, start, end)
-            if end == len(sequence.prefill_ids):
-                self._started([sequence], logits, cache)
+            logits = runner.decode_with_prompts(running, room.max_positions, prompts)
+            fed = [(s, row, cache) for (s, _, end, cache), row in zip(prompts, logits, strict=True)
+                   if end == len(s.prefill_ids)]
+            if fed:
+                for _, _, cache in fed[1:]:
+                    fed[0][2].merge(cache)
+                self._started([s for s, _, _ in fed], torch.cat([row for _, row, _ in fed]), fed[0][2])
 
-        self._guarded([*running, sequence], work)
+        self._guarded([*running, *(s for s, _, _ in spans)], work)
         self._retire()
 
     # ------------------------------------------------------------ decode and the KV moves
@@ -490,11 +502,3 @@ class StepScheduler:
                     self.runner.drop_chunk()
             self._retire()
 
-
-def _prompt_span(plan: Prefill) -> tuple[Sequence, int, int] | None:
-    """The one prompt `plan` feeds and its tokens' span (sequence, start, end); None for several or none."""
-    if isinstance(plan, Chunk):
-        return plan.sequence, plan.start, plan.end
-    if isinstance(plan, Group) and len(plan.sequences) == 1:
-        return plan.sequences[0], 0, len(plan.sequences[0].prefill_ids)
-    return None
