@@ -66,7 +66,7 @@ Prefill = Group[Sequence] | Chunk[Sequence] | Beside[Sequence] | Refuse[Sequence
 class SchedulerLimits:
     max_num_seqs: int = 32
     max_queued_requests: int = 256
-    prefill_chunk_tokens: int = 512
+    prefill_chunk_tokens: int = 2048
     kv_cache_bytes: int | None = None  # None: `kv_memory`'s default for the device
     prefix_caching: bool = True
     gpu_share: float = 0.0  # of its GPU this replica reserved (`engine.num_gpus`): the default budget's part of it
