@@ -7,6 +7,7 @@ import torch
 
 from rayrunner.engines.transformers.step.sampling import (
     SamplingRow,
+    greedy_tokens,
     logits_processors,
     logprobs_of,
     new_generator,
@@ -33,6 +34,22 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows() -> None:
     rows = [_row(), _row(temperature=1.0, seed=1), _row()]
     tokens = sample(logits.clone(), rows)
     assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
+
+
+def test_greedy_tokens_are_argmax_over_a_large_vocabulary() -> None:
+    """Found block by block, yet the same token as argmax: the first of equal maxima (across and within blocks),
+    NaN counting as the largest, a row of -inf."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 49152)
+    logits[1, 300] = logits[1, 40000] = 50.0  # a tie across blocks: the first wins
+    logits[2, 129] = logits[2, 130] = 50.0  # a tie within a block
+    logits[3, 7000] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, 49151] = 50.0  # the last logit
+    assert greedy_tokens(logits).tolist() == logits.argmax(dim=-1).tolist() == [
+        int(logits[0].argmax()), 300, 129, 7000, 0, 49151]
+    odd = torch.randn(2, 1000)  # a vocabulary not in whole blocks: plain argmax
+    assert greedy_tokens(odd).tolist() == odd.argmax(dim=-1).tolist()
 
 
 def test_top_k_one_is_greedy_and_min_p_one_is_greedy() -> None:

@@ -282,8 +282,9 @@ def _reserved(cached: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
     """A tensor holding `cached`'s first `length` positions with room for more behind them."""
     shape = list(cached.shape)
     shape[2] = capacity
-    room = torch.zeros(shape, dtype=cached.dtype, device=cached.device)
+    room = cached.new_empty(shape)
     room[:, :, :length] = cached
+    room[:, :, length:].zero_()  # attention reads the room past the cached positions: zeros, never stale values
     return room
 
 

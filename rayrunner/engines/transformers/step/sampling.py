@@ -20,6 +20,8 @@ from rayrunner.openai.sampling_params import LogitsProcessor, SamplingParams
 # the whole vocabulary is sorted (see `_draw`): top-k of 512 or 4096 costs 2.5 or 5.6 ms for 16 rows of SmolLM2's
 # 49k vocabulary on this 2-core CPU, a full sort 28 ms.
 _CANDIDATES = (512, 4096)
+# Greedy rows find their argmax in blocks of this many logits (`greedy_tokens`).
+_GREEDY_BLOCK = 128
 
 
 def logits_processors(params: SamplingParams, eos_ids: Collection[int] = ()) -> list[LogitsProcessor]:
@@ -86,8 +88,11 @@ def _min_tokens(count: int, ending: set[int]) -> LogitsProcessor:
         if len(output) >= count or not ids:
             return logits
         index = torch.tensor([i for i in ids if i < logits.shape[-1]], dtype=torch.long, device=logits.device)
-        masked = logits.index_fill(0, index, float("-inf"))
-        return masked if bool(masked.max() > float("-inf")) else logits
+        kept = logits[index]  # masked in place (no copy of the row), put back if nothing else is left
+        logits.index_fill_(0, index, float("-inf"))
+        if not bool(logits.max() > float("-inf")):
+            logits.index_copy_(0, index, kept)
+        return logits
 
     return apply
 
@@ -149,10 +154,23 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     if len(sampled) == len(rows):
         return [int(t) for t in _draw(logits, rows).tolist()]
-    tokens = torch.argmax(logits, dim=-1)
+    tokens = greedy_tokens(logits)
     if sampled:
         tokens[sampled] = _draw(logits[sampled], [rows[i] for i in sampled])
     return [int(t) for t in tokens.tolist()]
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` for [rows, vocab], ties and NaN alike (the first of the largest, NaN counting as largest),
+    found in two passes: the block holding it by each block's vectorized maximum, then the place in that block.
+    PyTorch's CPU argmax walks the vocabulary one logit at a time (0.65 ms for 16 rows of 49k; this: 0.08 ms)."""
+    rows, vocab = logits.shape
+    if vocab % _GREEDY_BLOCK or vocab < 4 * _GREEDY_BLOCK:
+        return torch.argmax(logits, dim=-1)
+    blocks = logits.view(rows, vocab // _GREEDY_BLOCK, _GREEDY_BLOCK)
+    block = blocks.amax(dim=-1).argmax(dim=-1)
+    inside = blocks[torch.arange(rows, device=logits.device), block].argmax(dim=-1)
+    return block * _GREEDY_BLOCK + inside
 
 
 def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
