@@ -62,3 +62,24 @@ def test_prompts_beside_the_decode_rows_get_their_own_prefill_and_the_rows_their
         for mine, theirs in zip(mine_cache.cache.layers, their_cache.cache.layers, strict=True):
             torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@torch.inference_mode()
+def test_prompts_prefilled_without_rows_get_their_own_prefill(tiny_llama_dir: str, kind: str) -> None:
+    """`FastDecode.prefill` (prompts only, as the prefill thread feeds them): each prompt, whole or after 5 cached
+    tokens, gets the logits and cache of its own prefill by transformers' forward."""
+    model = _qwen3() if kind == "qwen3" else AutoModelForCausalLM.from_pretrained(tiny_llama_dir,
+                                                                                  dtype=torch.float32).eval()
+    fast = FastDecode.for_model(model)
+    assert fast is not None and fast.prefills_aside
+    alone = [_empty(model) for _ in PROMPTS]
+    want = [_prefill(model, cache, prompt, 0) for cache, prompt in zip(alone, PROMPTS, strict=True)]
+    caches, starts = [_empty(model) for _ in PROMPTS], [0, 5]
+    _prefill(model, caches[1], PROMPTS[1][:5], 0)
+    got = fast.prefill([PromptChunk(prompt[start:], start, cache, fast.heads)
+                        for cache, prompt, start in zip(caches, PROMPTS, starts, strict=True)])
+    assert got.shape == (len(PROMPTS), 1, model.config.vocab_size)
+    for row, expected in enumerate(want):
+        torch.testing.assert_close(got[row], expected, atol=1e-4, rtol=1e-4)
+    assert [c.length for c in caches] == [len(p) for p in PROMPTS]

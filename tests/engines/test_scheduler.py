@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rayrunner.engines.detokenizer import Detokenizer
+from rayrunner.engines.transformers.step.compute_thread import ComputeThread
 from rayrunner.engines.transformers.step.fast_decode import FastDecode
 from rayrunner.engines.transformers.step.scheduler import SchedulerLimits, StepScheduler
 from rayrunner.engines.transformers.step.sequence import Sequence
@@ -22,6 +23,7 @@ from rayrunner.models.spec import build_spec
 from rayrunner.openai import replies
 from rayrunner.openai.sampling_params import SamplingParams, sampling_params
 from rayrunner.protocol import ChatCompletionRequest, CompletionRequest
+from rayrunner.runtime.core_share import CoreShare
 
 STORIES = [f"Write a short story about a {w}." for w in ["cat", "dog", "bird", "fish", "tree", "car", "boat", "lamp"]]
 
@@ -223,6 +225,45 @@ def test_prompts_arriving_together_start_in_one_step_beside_the_rows(tiny_llama_
 
     assert run(together=True) == run(together=False)
     loop.close()
+
+
+@pytest.mark.slow
+def test_prompts_prefilled_aside_decode_exactly_as_alone(tiny_llama_dir: str, tmp_path: Any) -> None:
+    """With a share of two cores, prompts arriving while a sequence decodes are prefilled in the prefill thread
+    while the decode steps go on, then join the batch; each decodes exactly as it does alone (float32)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    prompts = [[1, 2, 3], list(range(20, 30)), [9] * 7, list(range(100, 113))]
+
+    async def run(together: bool) -> tuple[list[list[int]], int]:
+        compute = ComputeThread("test-engine")
+        compute.cores = CoreShare(cores=2, folder=tmp_path)  # two cores, whatever else this node runs
+        scheduler = StepScheduler(model, SchedulerLimits(max_num_seqs=8))
+        scheduler.start(compute)
+        loop = asyncio.get_running_loop()
+        seqs = [Sequence(p, SamplingParams(max_tokens=120 if i == 0 else 8), Detokenizer(tokenizer, []), set(), loop)
+                for i, p in enumerate(prompts)]
+        try:
+            for s in seqs if not together else seqs[:1]:
+                scheduler.submit(s)
+                while not together and not s.done:
+                    await asyncio.sleep(0.005)
+            if together:
+                while not seqs[0].output_ids:
+                    await asyncio.sleep(0.005)
+                for s in seqs[1:]:
+                    scheduler.submit(s)
+            while any(not s.done for s in seqs):
+                await asyncio.sleep(0.005)
+            return [s.output_ids for s in seqs], scheduler.stats()["prefilled_aside"]
+        finally:
+            scheduler.close()
+            compute.shutdown()
+
+    together, aside = asyncio.run(run(together=True))
+    alone, none_aside = asyncio.run(run(together=False))
+    assert together == alone
+    assert aside == len(prompts) - 1 and none_aside == 0
 
 
 async def _answer(engine: TextEngine, **fields: Any) -> Any:

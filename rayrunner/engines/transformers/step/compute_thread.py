@@ -74,11 +74,22 @@ class ComputeThread:
                 self.cores.idle()
         self.cores.idle()
 
-    def use_share(self) -> None:
-        """On this thread: size torch's pool to the engine's share of the node's cores now (`CoreShare`)."""
-        threads = self.cores.working()
+    def use_share(self, cap: int | None = None) -> None:
+        """On this thread: size torch's pool to the engine's share of the node's cores now (`CoreShare`), at most
+        `cap` threads (the rest of the share busy elsewhere: `PrefillThread`)."""
+        threads = min(self.cores.working(), cap or sys.maxsize)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
+
+
+class PrefillThread(ComputeThread):
+    """A second worker of an engine, beside its `ComputeThread`: the step scheduler prefills prompts here while the
+    compute thread decodes, each with one torch thread on one core of the engine's share. It holds no lease of its
+    own (the engine's share counts both), and is never more than one torch thread (two OpenMP pools in one process
+    past the cores would slow every op: see above)."""
+
+    def use_share(self, cap: int | None = None) -> None:
+        single_threaded_torch()
 
 
 @functools.cache

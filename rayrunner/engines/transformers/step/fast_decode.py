@@ -88,14 +88,37 @@ class FastDecode:
         """Whether `step` can take a prompt's tokens beside the decode rows (layers without sliding windows)."""
         return all(window is None for window in self.windows)
 
+    @property
+    def prefills_aside(self) -> bool:
+        """Whether `prefill` may run in another thread while `step` runs: it takes prompts (`mixes_prompts`), and the
+        rotary embedding never changes itself (dynamic and long RoPE scaling rewrite their frequencies as positions
+        grow)."""
+        rope = getattr(self.decoder.rotary_emb, "rope_type", "default")
+        return self.mixes_prompts and not any(kind in str(rope) for kind in ("dynamic", "longrope"))
+
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, batch: BatchCache, prompts: Sequence[PromptChunk] = ()) -> torch.Tensor:
         """Feed `ids` [rows, 1], one token per row of `batch`, and append their keys and values to it; the logits
         [rows, 1, vocab]. With `prompts` (see `mixes_prompts`), their tokens go through the same forward after the
         rows (vLLM's mixed batch: the decode rows ride along in the prompts' matmuls) and each one's last position's
         logits come after the rows' [rows + prompts, 1, vocab]."""
-        mask, positions = batch.mask_with(1), batch.next_positions()
-        rows, tokens = ids.shape[0], ids[:, 0]
+        mask = batch.mask_with(1)
+        logits = self._forward(ids[:, 0], batch.next_positions(), prompts, (batch, mask))
+        batch.grew(mask)
+        return logits
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[PromptChunk]) -> torch.Tensor:
+        """Feed only `prompts` (no decode rows; see `mixes_prompts`): each one's last position's logits
+        [prompts, 1, vocab]. Reads no batch, so it may run in another thread while `step` decodes."""
+        device = prompts[0].ids.device
+        none = torch.empty((0, 1), dtype=torch.long, device=device)
+        return self._forward(none[:, 0], none, prompts, None)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, prompts: Sequence[PromptChunk],
+                 rows_cache: tuple[BatchCache, torch.Tensor] | None) -> torch.Tensor:
+        """The forward of `tokens` (one per decode row of `rows_cache`'s batch, with its mask) and `prompts`."""
+        rows = tokens.shape[0]
         if prompts:
             tokens = torch.cat([tokens, *(prompt.ids for prompt in prompts)])
             positions = torch.cat([positions, *(prompt.positions for prompt in prompts)])
@@ -118,21 +141,23 @@ class FastDecode:
             # RoPE rounded as transformers rounds it (two products, then their sum): a prompt's logits come out as
             # its own prefill's, bit for bit, in bf16 too (one addcmul rounds once and can tip a near-tie)
             both = both * cos + both.roll(half, dims=-1) * sin  # [width, heads + kv_heads, head_dim]
-            keys, values = batch.append(index, both[:rows, heads:, None], qkv[:rows, heads + kv_heads:, None])
-            window = self.windows[index]
-            bias = biases.get(window)
-            if bias is None or bias.shape[-1] != keys.shape[2]:
-                bias = biases[window] = _attention_bias(mask, keys.shape[2], window)
-            out = _grouped_attention(both[:rows, :heads].reshape(rows, kv_heads, -1, dim), keys, values, bias,
-                                     layer.scaling).view(rows, -1)
-            if prompts:
-                out = torch.cat([out, *(prompt.attend(index, layer, both[start:end], qkv[start:end, heads + kv_heads:])
-                                        for prompt, (start, end) in zip(prompts, spans, strict=True))])
+            outs = []
+            if rows_cache is not None:
+                batch, mask = rows_cache
+                keys, values = batch.append(index, both[:rows, heads:, None], qkv[:rows, heads + kv_heads:, None])
+                window = self.windows[index]
+                bias = biases.get(window)
+                if bias is None or bias.shape[-1] != keys.shape[2]:
+                    bias = biases[window] = _attention_bias(mask, keys.shape[2], window)
+                outs.append(_grouped_attention(both[:rows, :heads].reshape(rows, kv_heads, -1, dim), keys, values,
+                                               bias, layer.scaling).view(rows, -1))
+            outs += [prompt.attend(index, layer, both[start:end], qkv[start:end, heads + kv_heads:])
+                     for prompt, (start, end) in zip(prompts, spans, strict=True)]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
             hidden += _linear(layer.o_proj, out, kernel)
             gate_up = _projections(layer.mlp, GATE_UP, _rms_norm(layer.post_norm, hidden), kernel)
             gate, up = gate_up.split(self.intermediate, dim=-1)
             hidden += _linear(layer.down_proj, layer.act(gate).mul_(up), kernel)
-        batch.grew(mask)
         for prompt in prompts:
             prompt.grew()
         if prompts:

@@ -177,14 +177,20 @@ class ModelRunner:
         assert batch is not None and fast is not None
         batch.max_positions = max_positions
         ids = self._last_tokens(running)
-        chunks = [PromptChunk(sequence.prefill_ids[start:end], start, cache, fast.heads)
-                  for sequence, start, end, cache in prompts]
-        logits = fast.step(ids, batch, chunks)
+        logits = fast.step(ids, batch, _prompt_chunks(prompts, fast.heads))
         for sequence, _, end, _ in prompts:
             sequence.prefilled = end
         rows = len(running)
         self.sample(running, logits[:rows, -1, :])
         return [logits[row: row + 1, -1, :] for row in range(rows, rows + len(prompts))]
+
+    def prefill_aside(self, prompts: list[tuple[Sequence, int, int, BatchCache]]) -> torch.Tensor:
+        """Feed tokens `start` to `end` of each (sequence, start, end, cache) of `prompts` onto that cache, with no
+        decode rows: the fast step's `prefill`, which touches neither the batch nor the sequences, so it runs in the
+        step scheduler's prefill thread while `decode` runs. The logits of each one's last position [prompts, vocab]."""
+        fast = self.fast_decode
+        assert fast is not None
+        return fast.prefill(_prompt_chunks(prompts, fast.heads))[:, -1, :]
 
     def _last_tokens(self, running: list[Sequence]) -> torch.Tensor:
         """Each running sequence's last token [rows, 1]: what a decode step feeds."""
@@ -269,6 +275,12 @@ class ModelRunner:
         if sequence.prompt_logprobs is None:  # the first token has nothing before it
             sequence.prompt_logprobs = [TokenLogprob(sequence.detokenizer.token_text(sequence.prompt_ids[0]), None)]
         sequence.prompt_logprobs.extend(sequence.token_logprob(f) for f in found)
+
+
+def _prompt_chunks(prompts: list[tuple[Sequence, int, int, BatchCache]], heads: int) -> list[PromptChunk]:
+    """Tokens `start` to `end` of each (sequence, start, end, cache), fed onto that cache."""
+    return [PromptChunk(sequence.prefill_ids[start:end], start, cache, heads)
+            for sequence, start, end, cache in prompts]
 
 
 def logits_width(model: Any) -> int:

@@ -33,6 +33,7 @@ class KvState:
 
     budget: KvBudget
     batch: BatchShape | None = None
+    aside: int = 0  # bytes of the prompts being prefilled in the prefill thread (they join the batch later)
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ def _after_step(kv: KvState, chunking: Waiting | None) -> tuple[int, int | None]
     """The bytes the batch and a prompt being chunked hold after the next decode step, and the most positions per
     row the batch may reserve then (what the budget leaves each row, so new room stays within it)."""
     budget, batch = kv.budget, kv.batch
-    held = budget.bytes_of(1, len(chunking.prefill_ids) + MIN_ROOM) if chunking is not None else 0
+    held = kv.aside + (budget.bytes_of(1, len(chunking.prefill_ids) + MIN_ROOM) if chunking is not None else 0)
     if batch is None:
         return held, None
     per_row = (budget.limit - held) // batch.rows - budget.row_bytes
