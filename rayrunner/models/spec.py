@@ -109,6 +109,12 @@ class EngineSettings(Replicas):
         "system prompt) instead of prefilling it again; usage reports `prompt_tokens_details.cached_tokens` (the vllm "
         "backend: vLLM's `enable_prefix_caching`)."
     )
+    prefill_aside: bool = Field(
+        True, description="On a CPU, with a share of two cores or more: prompts arriving while streams decode (no "
+        "more of them than streams) are prefilled in a second thread while the decode steps go on, each with one "
+        "core, instead of in the step's own forward with both (streams never wait on a prefill; a model busy alone "
+        "keeps both cores working; figures: docs/performance.md, \"Prefill aside\")."
+    )
     cache_quantized: bool = Field(
         True, description="Keep the model, once quantized in situ, in a local file that later loads read instead of "
         "loading and quantizing again (disk: the quantized weights' size; see `quantization.model_cache`)."

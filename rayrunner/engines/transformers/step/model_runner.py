@@ -30,6 +30,8 @@ from rayrunner.engines.transformers.step.sampling import Logprob, logprobs_of, s
 from rayrunner.engines.transformers.step.sequence import Sequence
 from rayrunner.openai.events import TokenLogprob
 
+Prompts = list[tuple[Sequence, int, int, BatchCache]]  # (sequence, start, end, the cache its tokens go onto)
+
 
 class ModelRunner:
     """Runs `model` for one step scheduler within `memory`'s budget; `active_adapters()` names the adapters of the
@@ -169,7 +171,7 @@ class ModelRunner:
                 and (self.adapters is None or self.adapters.peft is None))
 
     def decode_with_prompts(self, running: list[Sequence], max_positions: int | None,
-                            prompts: list[tuple[Sequence, int, int, BatchCache]]) -> list[torch.Tensor]:
+                            prompts: Prompts) -> list[torch.Tensor]:
         """`decode`, with tokens `start` to `end` of each (sequence, start, end, cache) of `prompts` fed in the same
         forward onto that cache (its own: `prompt_cache`, or `chunk`): the logits of each one's last position
         (`mixes` said yes for each)."""
@@ -184,7 +186,7 @@ class ModelRunner:
         self.sample(running, logits[:rows, -1, :])
         return [logits[row: row + 1, -1, :] for row in range(rows, rows + len(prompts))]
 
-    def prefill_aside(self, prompts: list[tuple[Sequence, int, int, BatchCache]]) -> torch.Tensor:
+    def prefill_aside(self, prompts: Prompts) -> torch.Tensor:
         """Feed tokens `start` to `end` of each (sequence, start, end, cache) of `prompts` onto that cache, with no
         decode rows: the fast step's `prefill`, which touches neither the batch nor the sequences, so it runs in the
         step scheduler's prefill thread while `decode` runs. The logits of each one's last position [prompts, vocab]."""
@@ -277,7 +279,7 @@ class ModelRunner:
         sequence.prompt_logprobs.extend(sequence.token_logprob(f) for f in found)
 
 
-def _prompt_chunks(prompts: list[tuple[Sequence, int, int, BatchCache]], heads: int) -> list[PromptChunk]:
+def _prompt_chunks(prompts: Prompts, heads: int) -> list[PromptChunk]:
     """Tokens `start` to `end` of each (sequence, start, end, cache), fed onto that cache."""
     return [PromptChunk(sequence.prefill_ids[start:end], start, cache, heads)
             for sequence, start, end, cache in prompts]

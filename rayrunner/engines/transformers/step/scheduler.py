@@ -16,11 +16,8 @@ the planner (`planner`: on plain figures, what each step admits, chunks, preempt
 While rows decode and the model has the fast decode step, text prompts are fed beside them in one forward (vLLM's
 mixed batch): several whole ones within one chunk's tokens (each from the blocks it finds cached), or a chunk; the
 decode rows ride along in the prompts' matmuls, and the prompts join after the step. When the engine's share of the
-node is two cores or more (on a CPU), such whole prompts are prefilled aside instead: in a second thread
-(`PrefillThread`, one torch thread) while the decode steps go on in this one (one torch thread meanwhile), and they
-join the batch at the first step after they are done. Decode then never waits on a prefill, and a model busy alone
-keeps both cores working as two models would (one engine's two-thread ops wait at every barrier, and most of a
-small step's operations do not split; figures: docs/performance.md, "Prefill aside").
+node is two cores or more, such whole prompts are prefilled aside instead, in a second thread, while the decode
+steps go on (`prefill_aside`).
 Sequences join and leave between steps without recomputing anyone else's cache. Past `max_queued_requests` waiting
 sequences, `submit` refuses with `ServerOverloadedError` (HTTP 429). The loop runs on the engine's `ComputeThread`,
 the thread that loaded the model (`compute_thread` says why one thread does all the work). With LoRA adapters, one
@@ -49,10 +46,11 @@ from rayrunner.engines.lora import LoraAdapters
 from rayrunner.engines.transformers.kv.kv_batch import BatchCache, compacted_rows, mergeable, plain_attention, recurrent
 from rayrunner.engines.transformers.kv.kv_memory import KvMemory
 from rayrunner.engines.transformers.step.admission import Admission
-from rayrunner.engines.transformers.step.compute_thread import ComputeThread, PrefillThread
+from rayrunner.engines.transformers.step.compute_thread import ComputeThread
 from rayrunner.engines.transformers.step.fast_decode import FastDecode
 from rayrunner.engines.transformers.step.model_runner import ModelRunner, logits_width
 from rayrunner.engines.transformers.step.planner import Beside, Chunk, Group, KvState, Planner, Refuse, Room
+from rayrunner.engines.transformers.step.prefill_aside import PrefillAside
 from rayrunner.engines.transformers.step.sequence import Sequence, events_of
 from rayrunner.errors import InvalidRequestError, ServerOverloadedError
 from rayrunner.models.spec import EngineSettings
@@ -65,16 +63,6 @@ _REPORT_S = 0.5  # the running/queued gauges' refresh while busy
 STUCK_STEP_S = 300.0  # one step (a prefill chunk and a decode) taking longer than this means the engine is wedged
 T = TypeVar("T")
 Prefill = Group[Sequence] | Chunk[Sequence] | Beside[Sequence] | Refuse[Sequence] | None
-Prompts = list[tuple[Sequence, int, int, BatchCache]]  # (sequence, start, end, the cache its tokens go onto)
-
-
-@dataclass
-class _Aside:
-    """Whole prompts being prefilled in the prefill thread: their logits come in `done`."""
-
-    prompts: Prompts
-    done: Future[torch.Tensor]
-    nbytes: int  # what their caches will hold, as the planner counts it
 
 
 @dataclass(frozen=True)
@@ -85,11 +73,13 @@ class SchedulerLimits:
     kv_cache_bytes: int | None = None  # None: `kv_memory`'s default for the device
     prefix_caching: bool = True
     gpu_share: float = 0.0  # of its GPU this replica reserved (`engine.num_gpus`): the default budget's part of it
+    prefill_aside: bool = True  # whole prompts prefilled in a second thread while rows decode (`prefill_aside`)
 
 
 def scheduler_limits(settings: EngineSettings) -> SchedulerLimits:
     return SchedulerLimits(settings.max_num_seqs, settings.max_queued_requests, settings.prefill_chunk_tokens,
-                           settings.kv_cache_bytes, settings.prefix_caching, settings.num_gpus)
+                           settings.kv_cache_bytes, settings.prefix_caching, settings.num_gpus,
+                           prefill_aside=settings.prefill_aside)
 
 
 class StepScheduler:
@@ -124,10 +114,7 @@ class StepScheduler:
         self._closed = False
         self._loop_done: Future[None] | None = None
         self._step_started_at: float | None = None  # while a step runs (health checks spot a stuck one)
-        self._compute: ComputeThread | None = None  # the thread running the loop (`start`)
-        self._prefill_thread: PrefillThread | None = None  # where prompts are prefilled aside (`start`)
-        self._aside: _Aside | None = None  # prompts being prefilled there
-        self.prefilled_aside = 0  # prompts prefilled there so far
+        self._aside: PrefillAside | None = None  # where whole prompts are prefilled while rows decode (`start`)
         self._died_of: BaseException | None = None
         self._reported_at = 0.0
         self.steps = 0
@@ -180,7 +167,8 @@ class StepScheduler:
                     "max_queued_requests": self.limits.max_queued_requests,
                     "kv_cache_bytes": memory.held, "kv_cache_budget_bytes": memory.limit,
                     "kv_cache_peak_bytes": memory.peak, "prefix_cache_bytes": memory.prefix.nbytes if memory.prefix
-                    else 0, "preemptions": memory.preemptions, "prefilled_aside": self.prefilled_aside}
+                    else 0, "preemptions": memory.preemptions,
+                    "prefilled_aside": self._aside.prompts_fed if self._aside else 0}
 
     def _free_slots(self) -> int:
         """Sequence slots no admitted sequence holds (call with the lock held)."""
@@ -210,9 +198,8 @@ class StepScheduler:
         step is made there too: it concatenates weights, and a torch op in another thread slows every later one
         (`compute_thread`)."""
         self.fast_decode = compute.call(FastDecode.for_model, self.model)
-        self._compute = compute
-        if self.fast_decode is not None and self.fast_decode.prefills_aside and self.device.type == "cpu":
-            self._prefill_thread = PrefillThread("prefill-aside")
+        if self.limits.prefill_aside:
+            self._aside = PrefillAside.for_runner(self.runner, compute, self._wake)
         self._loop_done = compute.submit(self._loop, compute)
 
     def check_health(self) -> None:
@@ -233,8 +220,8 @@ class StepScheduler:
             self._cond.notify()
         if self._loop_done is not None and not sys.is_finalizing():
             self._loop_done.result(timeout=30)
-        if self._prefill_thread is not None:
-            self._prefill_thread.shutdown()
+        if self._aside is not None:
+            self._aside.close()
 
     # ------------------------------------------------------------ the scheduler thread
 
@@ -252,7 +239,8 @@ class StepScheduler:
         with self._cond:
             everyone = [*self._admitted(), *self._waiting]
             self._running, self._prefilling, self._chunking, self._waiting = [], [], None, collections.deque()
-            self._aside = None
+            if self._aside is not None:
+                self._aside.flight = None
             self.runner.drop_chunk()
         for sequence in everyone:
             sequence.fail(exc)
@@ -262,13 +250,13 @@ class StepScheduler:
             with self._cond:
                 if not self._has_work():
                     self._report_load(force=True)  # idle: the gauges say so
-                    if self._aside is None:
+                    if not self._aside_busy():
                         compute.cores.idle()  # the node's other engines may take its cores
                 while not (self._closed or self._has_work()):
                     self._cond.wait()
                 if self._closed:
                     return
-            compute.use_share(1 if self._aside is not None else None)
+            compute.use_share(1 if self._aside_busy() else None)
             self._step_started_at = time.monotonic()
             with torch.inference_mode():
                 self.step()
@@ -276,8 +264,9 @@ class StepScheduler:
             self._report_load()
 
     def _has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._chunking is not None or self._jobs) \
-            or (self._aside is not None and self._aside.done.done())
+        """Something a step would do now (the queue waits while prompts are aside: nothing starts meanwhile)."""
+        startable = bool(self._waiting or self._chunking is not None) and not self._aside_busy()
+        return bool(self._running or self._jobs) or startable or (self._aside is not None and self._aside.ready())
 
     def _report_load(self, force: bool = False) -> None:
         """Running and queued sequences to the metrics, at most twice a second while busy."""
@@ -294,9 +283,10 @@ class StepScheduler:
         self._join_aside(wait=bool(self._jobs))  # a job may change the model: nothing may read it meanwhile
         self._run_jobs()
         self._drop_cancelled()
-        plan = self._plan_prefill() if self._aside is None else None
-        if isinstance(plan, Beside) and self._prefills_aside():
-            self._start_aside(plan)
+        plan = self._plan_prefill() if not self._aside_busy() else None
+        aside = self._aside
+        if isinstance(plan, Beside) and aside is not None and aside.pays(len(plan.sequences), len(self._running)):
+            aside.start(plan.spans, self.memory.budget())
             self._decode()
         elif isinstance(plan, Beside) or (isinstance(plan, Chunk) and self._mixes(plan)):
             self._decode_with_prompts(plan)
@@ -463,42 +453,24 @@ class StepScheduler:
 
     # ------------------------------------------------------------ whole prompts prefilled aside
 
-    def _prefills_aside(self) -> bool:
-        """Whether prompts are prefilled in the prefill thread: it exists (`start`), rows decode meanwhile, and the
-        engine's share of the node is two cores or more now."""
-        compute = self._compute
-        return self._prefill_thread is not None and compute is not None and compute.cores.threads >= 2 \
-            and bool(self._running) and self.runner.batch is not None
+    def _aside_busy(self) -> bool:
+        return self._aside is not None and self._aside.flight is not None
 
-    def _start_aside(self, plan: Beside[Sequence]) -> None:
-        """Prefill `plan`'s prompts (taken into `_prefilling`) in the prefill thread, each from its cached blocks;
-        this thread keeps one torch thread until they are done, the other core theirs."""
-        assert self._prefill_thread is not None
-        prompts = [(s, start, end, self.runner.prompt_cache(s, start)) for s, start, end in plan.spans]
-        budget = self.memory.budget()
-        nbytes = sum(budget.bytes_of(s.slots, len(s.prefill_ids)) for s in plan.sequences)
-        torch.set_num_threads(1)
-        done = self._prefill_thread.submit(self.runner.prefill_aside, prompts)
-        self.prefilled_aside += len(prompts)
-        self._aside = _Aside(prompts, done, nbytes)
-        done.add_done_callback(self._wake)
-
-    def _wake(self, _: object) -> None:
+    def _wake(self) -> None:
         with self._cond:
             self._cond.notify()
 
     def _join_aside(self, wait: bool = False) -> None:
         """Prompts prefilled aside join the running batch once done (`wait`: wait for them first)."""
-        aside = self._aside
-        if aside is None or not (wait or aside.done.done()):
+        flight = self._aside.take(wait) if self._aside is not None else None
+        if flight is None:
             return
-        self._aside = None
-        sequences = [s for s, _, _, _ in aside.prompts]
+        sequences = flight.sequences
 
         def work() -> None:
-            logits = aside.done.result()
-            caches = [cache for _, _, _, cache in aside.prompts]
-            for sequence, _, end, _ in aside.prompts:
+            logits = flight.done.result()
+            caches = [cache for _, _, _, cache in flight.prompts]
+            for sequence, _, end, _ in flight.prompts:
                 sequence.prefilled = end
             for cache in caches[1:]:
                 caches[0].merge(cache)
