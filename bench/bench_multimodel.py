@@ -16,7 +16,7 @@ every model is busy across the whole window; tokens are counted by their arrival
 The cases start `--settle` seconds after the last load, once the warm spare worker it leaves behind
 (`rayrunner.runtime.warm_workers`) has finished importing: otherwise the first case shares the cores with it.
 
-Run:  .venv/bin/python bench/bench_multimodel.py [--streams 8] [--duration 30] [--ramp 5] [--settle 10]
+Run:  .venv/bin/python bench/bench_multimodel.py [--streams 8] [--duration 30] [--ramp 5] [--settle 10] [--engine JSON]
 It starts its own local Ray cluster (ports in 30000-32000) and shuts it down at the end.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import time
@@ -148,11 +149,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--settle", type=float, default=10.0,
                         help="idle seconds before the first case (the warm spare worker a load leaves imports then)")
+    parser.add_argument("--engine", type=json.loads, default={}, metavar="JSON",
+                        help="engine settings of every model, e.g. '{\"prefill_aside\": false}'")
     args = parser.parse_args()
-    print(f"load average at start: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
-    with rayrunner_service([smollm2_spec(BASE_ID)]) as base:
+    print(f"load average at start: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs); engine settings {args.engine}")
+    specs = [{**spec, "engine": args.engine} for spec in [smollm2_spec(BASE_ID), *COPIES]]
+    with rayrunner_service(specs[:1]) as base:
         with httpx.Client(base_url=base, timeout=900) as http:
-            for spec in COPIES:
+            for spec in specs[1:]:
                 add_model(http, spec)
         cases = asyncio.run(measure(base, args))
     print(f"load average at end: {os.getloadavg()[0]:.2f}")

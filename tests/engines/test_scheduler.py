@@ -229,11 +229,12 @@ def test_prompts_arriving_together_start_in_one_step_beside_the_rows(tiny_llama_
 
 @pytest.mark.slow
 def test_prompts_prefilled_aside_decode_exactly_as_alone(tiny_llama_dir: str, tmp_path: Any) -> None:
-    """With a share of two cores, prompts arriving while a sequence decodes are prefilled in the prefill thread
+    """With a share of two cores, prompts arriving while more sequences decode are prefilled in the prefill thread
     while the decode steps go on, then join the batch; each decodes exactly as it does alone (float32)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    prompts = [[1, 2, 3], list(range(20, 30)), [9] * 7, list(range(100, 113))]
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], list(range(20, 30)), [9] * 7]
+    decoding = 3  # the first three decode while the others arrive
 
     async def run(together: bool) -> tuple[list[list[int]], int]:
         compute = ComputeThread("test-engine")
@@ -241,17 +242,17 @@ def test_prompts_prefilled_aside_decode_exactly_as_alone(tiny_llama_dir: str, tm
         scheduler = StepScheduler(model, SchedulerLimits(max_num_seqs=8))
         scheduler.start(compute)
         loop = asyncio.get_running_loop()
-        seqs = [Sequence(p, SamplingParams(max_tokens=120 if i == 0 else 8), Detokenizer(tokenizer, []), set(), loop)
-                for i, p in enumerate(prompts)]
+        seqs = [Sequence(p, SamplingParams(max_tokens=150 if i < decoding else 8), Detokenizer(tokenizer, []),
+                         set(), loop) for i, p in enumerate(prompts)]
         try:
-            for s in seqs if not together else seqs[:1]:
+            for s in seqs if not together else seqs[:decoding]:
                 scheduler.submit(s)
                 while not together and not s.done:
                     await asyncio.sleep(0.005)
             if together:
-                while not seqs[0].output_ids:
+                while not all(s.output_ids for s in seqs[:decoding]):
                     await asyncio.sleep(0.005)
-                for s in seqs[1:]:
+                for s in seqs[decoding:]:
                     scheduler.submit(s)
             while any(not s.done for s in seqs):
                 await asyncio.sleep(0.005)
@@ -263,7 +264,7 @@ def test_prompts_prefilled_aside_decode_exactly_as_alone(tiny_llama_dir: str, tm
     together, aside = asyncio.run(run(together=True))
     alone, none_aside = asyncio.run(run(together=False))
     assert together == alone
-    assert aside == len(prompts) - 1 and none_aside == 0
+    assert aside == len(prompts) - decoding and none_aside == 0
 
 
 async def _answer(engine: TextEngine, **fields: Any) -> Any:

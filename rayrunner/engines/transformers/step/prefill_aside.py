@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rayrunner.engines.transformers.kv.kv_batch import BatchCache
 from rayrunner.engines.transformers.kv.kv_budget import KvBudget
 from rayrunner.engines.transformers.step.compute_thread import ComputeThread, PrefillThread
 from rayrunner.engines.transformers.step.model_runner import ModelRunner, Prompts
@@ -37,33 +38,34 @@ class Flight:
 
 
 class PrefillAside:
-    """A step scheduler's prefill thread and the prompts in it. `wake` is called when they are done."""
+    """A step scheduler's prefill thread (once `enable`d) and the prompts in it. `wake` is called when they are
+    done."""
 
-    def __init__(self, runner: ModelRunner, compute: ComputeThread, wake: Callable[[], None]) -> None:
-        self.runner, self.compute, self._wake = runner, compute, wake
-        self.thread = PrefillThread("prefill-aside")
+    def __init__(self, runner: ModelRunner, wake: Callable[[], None]) -> None:
+        self.runner, self._wake = runner, wake
+        self.compute: ComputeThread | None = None  # the step loop's thread, whose share of the node is checked
+        self.thread: PrefillThread | None = None
         self.flight: Flight | None = None
         self.prompts_fed = 0  # prompts prefilled aside so far
 
-    @classmethod
-    def for_runner(cls, runner: ModelRunner, compute: ComputeThread, wake: Callable[[], None]
-                   ) -> PrefillAside | None:
-        """One for a CPU model whose fast step can prefill aside (`FastDecode.prefills_aside`), else None."""
-        fast = runner.fast_decode
-        if fast is None or not fast.prefills_aside or runner.device.type != "cpu":
-            return None
-        return cls(runner, compute, wake)
+    def enable(self, compute: ComputeThread) -> None:
+        """Prefill aside from now on, beside the step loop on `compute`, if the model's fast step can
+        (`FastDecode.prefills_aside`) on a CPU."""
+        fast = self.runner.fast_decode
+        if fast is not None and fast.prefills_aside and self.runner.device.type == "cpu":
+            self.compute, self.thread = compute, PrefillThread("prefill-aside")
 
     def pays(self, prompts: int, rows: int) -> bool:
         """Whether `prompts` go aside now, beside `rows` decoding: none are, the engine's share is 2 cores or more,
         and they are no more than the rows (more prompts than rows, as when a wave of streams starts together, are
         prefilled faster by both cores in the step's own forward, while the few rows would soon be done)."""
-        return self.flight is None and 0 < prompts <= rows and self.runner.batch is not None \
-            and self.compute.cores.threads >= 2
+        return self.compute is not None and self.flight is None and 0 < prompts <= rows \
+            and self.runner.batch is not None and self.compute.cores.threads >= 2
 
     def start(self, spans: list[tuple[Sequence, int, int]], budget: KvBudget) -> None:
         """Prefill each (sequence, start, end) aside, from its cached blocks; the step loop keeps one torch thread
         until they are done."""
+        assert self.thread is not None
         prompts = [(s, start, end, self.runner.prompt_cache(s, start)) for s, start, end in spans]
         nbytes = sum(budget.bytes_of(s.slots, len(s.prefill_ids)) for s, _, _ in spans)
         torch.set_num_threads(1)
@@ -73,20 +75,37 @@ class PrefillAside:
         done.add_done_callback(lambda _: self._wake())
 
     @property
+    def busy(self) -> bool:
+        return self.flight is not None
+
+    @property
     def nbytes(self) -> int:
         return self.flight.nbytes if self.flight is not None else 0
 
     def ready(self) -> bool:
         return self.flight is not None and self.flight.done.done()
 
-    def take(self, wait: bool = False) -> Flight | None:
-        """The prompts aside once they are done (`wait`: wait for them), no longer aside; else None."""
+    def join(self, started: Callable[[list[Sequence], torch.Tensor, BatchCache], None],
+             guarded: Callable[[list[Sequence], Callable[[], None]], None], wait: bool = False) -> None:
+        """Once the prompts aside are done (`wait`: wait for them), `started` takes them (their logits, and their
+        caches merged into one), run by `guarded`, which fails them if it raises (their prefill's error too)."""
         flight = self.flight
         if flight is None or not (wait or flight.done.done()):
-            return None
+            return
         self.flight = None
-        return flight
+
+        def work() -> None:
+            logits = flight.done.result()
+            caches = [cache for _, _, _, cache in flight.prompts]
+            for sequence, _, end, _ in flight.prompts:
+                sequence.prefilled = end
+            for cache in caches[1:]:
+                caches[0].merge(cache)
+            started(flight.sequences, logits, caches[0])
+
+        guarded(flight.sequences, work)
 
     def close(self) -> None:
         """Finish what is aside, and end the thread."""
-        self.thread.shutdown()
+        if self.thread is not None:
+            self.thread.shutdown()

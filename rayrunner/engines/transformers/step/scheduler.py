@@ -114,7 +114,7 @@ class StepScheduler:
         self._closed = False
         self._loop_done: Future[None] | None = None
         self._step_started_at: float | None = None  # while a step runs (health checks spot a stuck one)
-        self._aside: PrefillAside | None = None  # where whole prompts are prefilled while rows decode (`start`)
+        self._aside = PrefillAside(self.runner, self._wake)  # whole prompts prefilled while rows decode (`start`)
         self._died_of: BaseException | None = None
         self._reported_at = 0.0
         self.steps = 0
@@ -168,7 +168,7 @@ class StepScheduler:
                     "kv_cache_bytes": memory.held, "kv_cache_budget_bytes": memory.limit,
                     "kv_cache_peak_bytes": memory.peak, "prefix_cache_bytes": memory.prefix.nbytes if memory.prefix
                     else 0, "preemptions": memory.preemptions,
-                    "prefilled_aside": self._aside.prompts_fed if self._aside else 0}
+                    "prefilled_aside": self._aside.prompts_fed}
 
     def _free_slots(self) -> int:
         """Sequence slots no admitted sequence holds (call with the lock held)."""
@@ -199,7 +199,7 @@ class StepScheduler:
         (`compute_thread`)."""
         self.fast_decode = compute.call(FastDecode.for_model, self.model)
         if self.limits.prefill_aside:
-            self._aside = PrefillAside.for_runner(self.runner, compute, self._wake)
+            self._aside.enable(compute)
         self._loop_done = compute.submit(self._loop, compute)
 
     def check_health(self) -> None:
@@ -220,8 +220,7 @@ class StepScheduler:
             self._cond.notify()
         if self._loop_done is not None and not sys.is_finalizing():
             self._loop_done.result(timeout=30)
-        if self._aside is not None:
-            self._aside.close()
+        self._aside.close()
 
     # ------------------------------------------------------------ the scheduler thread
 
@@ -239,8 +238,7 @@ class StepScheduler:
         with self._cond:
             everyone = [*self._admitted(), *self._waiting]
             self._running, self._prefilling, self._chunking, self._waiting = [], [], None, collections.deque()
-            if self._aside is not None:
-                self._aside.flight = None
+            self._aside.flight = None
             self.runner.drop_chunk()
         for sequence in everyone:
             sequence.fail(exc)
@@ -250,13 +248,13 @@ class StepScheduler:
             with self._cond:
                 if not self._has_work():
                     self._report_load(force=True)  # idle: the gauges say so
-                    if not self._aside_busy():
+                    if not self._aside.busy:
                         compute.cores.idle()  # the node's other engines may take its cores
                 while not (self._closed or self._has_work()):
                     self._cond.wait()
                 if self._closed:
                     return
-            compute.use_share(1 if self._aside_busy() else None)
+            compute.use_share(1 if self._aside.busy else None)
             self._step_started_at = time.monotonic()
             with torch.inference_mode():
                 self.step()
@@ -265,8 +263,8 @@ class StepScheduler:
 
     def _has_work(self) -> bool:
         """Something a step would do now (the queue waits while prompts are aside: nothing starts meanwhile)."""
-        startable = bool(self._waiting or self._chunking is not None) and not self._aside_busy()
-        return bool(self._running or self._jobs) or startable or (self._aside is not None and self._aside.ready())
+        startable = bool(self._waiting or self._chunking is not None) and not self._aside.busy
+        return bool(self._running or self._jobs) or startable or self._aside.ready()
 
     def _report_load(self, force: bool = False) -> None:
         """Running and queued sequences to the metrics, at most twice a second while busy."""
@@ -280,13 +278,12 @@ class StepScheduler:
 
     def step(self) -> None:
         """One scheduling step (public for tests that drive the scheduler without its thread)."""
-        self._join_aside(wait=bool(self._jobs))  # a job may change the model: nothing may read it meanwhile
+        self._aside.join(self._started, self._guarded, wait=bool(self._jobs))  # a job may change the model
         self._run_jobs()
         self._drop_cancelled()
-        plan = self._plan_prefill() if not self._aside_busy() else None
-        aside = self._aside
-        if isinstance(plan, Beside) and aside is not None and aside.pays(len(plan.sequences), len(self._running)):
-            aside.start(plan.spans, self.memory.budget())
+        plan = self._plan_prefill() if not self._aside.busy else None
+        if isinstance(plan, Beside) and self._aside.pays(len(plan.sequences), len(self._running)):
+            self._aside.start(plan.spans, self.memory.budget())
             self._decode()
         elif isinstance(plan, Beside) or (isinstance(plan, Chunk) and self._mixes(plan)):
             self._decode_with_prompts(plan)
@@ -321,7 +318,7 @@ class StepScheduler:
 
     def _kv(self) -> KvState:
         """The KV memory's figures now, for the planner."""
-        return KvState(self.memory.budget(), self.runner.batch_shape(), self._aside.nbytes if self._aside else 0)
+        return KvState(self.memory.budget(), self.runner.batch_shape(), self._aside.nbytes)
 
     def _held_after_step(self) -> int:
         return self.planner.held_after_step(self._kv(), self._chunking)
@@ -451,32 +448,9 @@ class StepScheduler:
         self._guarded([*running, *(s for s, _, _ in spans)], work)
         self._retire()
 
-    # ------------------------------------------------------------ whole prompts prefilled aside
-
-    def _aside_busy(self) -> bool:
-        return self._aside is not None and self._aside.flight is not None
-
     def _wake(self) -> None:
         with self._cond:
             self._cond.notify()
-
-    def _join_aside(self, wait: bool = False) -> None:
-        """Prompts prefilled aside join the running batch once done (`wait`: wait for them first)."""
-        flight = self._aside.take(wait) if self._aside is not None else None
-        if flight is None:
-            return
-        sequences = flight.sequences
-
-        def work() -> None:
-            logits = flight.done.result()
-            caches = [cache for _, _, _, cache in flight.prompts]
-            for sequence, _, end, _ in flight.prompts:
-                sequence.prefilled = end
-            for cache in caches[1:]:
-                caches[0].merge(cache)
-            self._started(sequences, logits, caches[0])
-
-        self._guarded(sequences, work)
 
     # ------------------------------------------------------------ decode and the KV moves
 
