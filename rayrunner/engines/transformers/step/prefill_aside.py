@@ -85,10 +85,10 @@ class PrefillAside:
     def ready(self) -> bool:
         return self.flight is not None and self.flight.done.done()
 
-    def join(self, started: Callable[[list[Sequence], torch.Tensor, BatchCache], None],
+    def join(self, joined: Callable[[list[Sequence], torch.Tensor, list[BatchCache]], None],
              guarded: Callable[[list[Sequence], Callable[[], None]], None], wait: bool = False) -> None:
-        """Once the prompts aside are done (`wait`: wait for them), `started` takes them (their logits, and their
-        caches merged into one), run by `guarded`, which fails them if it raises (their prefill's error too)."""
+        """Once the prompts aside are done (`wait`: wait for them), `joined` takes them (their logits and caches),
+        run by `guarded`, which fails them if it raises (their prefill's error too)."""
         flight = self.flight
         if flight is None or not (wait or flight.done.done()):
             return
@@ -96,14 +96,15 @@ class PrefillAside:
 
         def work() -> None:
             logits = flight.done.result()
-            caches = [cache for _, _, _, cache in flight.prompts]
             for sequence, _, end, _ in flight.prompts:
                 sequence.prefilled = end
-            for cache in caches[1:]:
-                caches[0].merge(cache)
-            started(flight.sequences, logits, caches[0])
+            joined(flight.sequences, logits, [cache for _, _, _, cache in flight.prompts])
 
         guarded(flight.sequences, work)
+
+    def drop(self) -> None:
+        """Forget the prompts aside (their sequences failed): what the thread still computes is dropped."""
+        self.flight = None
 
     def close(self) -> None:
         """Finish what is aside, and end the thread."""

@@ -238,7 +238,7 @@ class StepScheduler:
         with self._cond:
             everyone = [*self._admitted(), *self._waiting]
             self._running, self._prefilling, self._chunking, self._waiting = [], [], None, collections.deque()
-            self._aside.flight = None
+            self._aside.drop()
             self.runner.drop_chunk()
         for sequence in everyone:
             sequence.fail(exc)
@@ -261,6 +261,10 @@ class StepScheduler:
             self._step_started_at = None
             self._report_load()
 
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
     def _has_work(self) -> bool:
         """Something a step would do now (the queue waits while prompts are aside: nothing starts meanwhile)."""
         startable = bool(self._waiting or self._chunking is not None) and not self._aside.busy
@@ -278,7 +282,7 @@ class StepScheduler:
 
     def step(self) -> None:
         """One scheduling step (public for tests that drive the scheduler without its thread)."""
-        self._aside.join(self._started, self._guarded, wait=bool(self._jobs))  # a job may change the model
+        self._aside.join(self._joined, self._guarded, wait=bool(self._jobs))  # a job may change the model
         self._run_jobs()
         self._drop_cancelled()
         plan = self._plan_prefill() if not self._aside.busy else None
@@ -441,16 +445,16 @@ class StepScheduler:
             fed = [(s, row, cache) for (s, _, end, cache), row in zip(prompts, logits, strict=True)
                    if end == len(s.prefill_ids)]
             if fed:
-                for _, _, cache in fed[1:]:
-                    fed[0][2].merge(cache)
-                self._started([s for s, _, _ in fed], torch.cat([row for _, row, _ in fed]), fed[0][2])
+                self._joined([s for s, _, _ in fed], torch.cat([row for _, row, _ in fed]), [c for _, _, c in fed])
 
         self._guarded([*running, *(s for s, _, _ in spans)], work)
         self._retire()
 
-    def _wake(self) -> None:
-        with self._cond:
-            self._cond.notify()
+    def _joined(self, sequences: list[Sequence], logits: torch.Tensor, caches: list[BatchCache]) -> None:
+        """Prompts fully fed (beside a decode step, or aside) start: their caches merged into the first."""
+        for cache in caches[1:]:
+            caches[0].merge(cache)
+        self._started(sequences, logits, caches[0])
 
     # ------------------------------------------------------------ decode and the KV moves
 
