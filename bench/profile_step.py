@@ -94,7 +94,7 @@ def report(prof: Any, wall_ms: float, steps: int) -> None:
     print(f"| not in ops (Python: loop, planner, sequences, detokenizer; the profiler's own) | {python_ms:.1f} | "
           f"{python_ms / wall_ms:.0%} |")
     print("\nTop ops by self CPU time:")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=40))
 
 
 def main() -> None:

@@ -37,6 +37,14 @@ def native_half_gemm(dtype: torch.dtype) -> bool:
         return False
 
 
+@functools.cache
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (Intel Xeon since Sapphire Rapids), which PyTorch's CPU kernels use for bf16
+    blocks (its flash attention's brgemm among them)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(check and check())
+
+
 def wide_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype to multiply `dtype` matrices in on this CPU: float32 for a half dtype without a native GEMM."""
     return torch.float32 if dtype in HALF_DTYPES and not native_half_gemm(dtype) else dtype

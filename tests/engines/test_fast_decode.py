@@ -19,6 +19,7 @@ from transformers import (
 
 from rayrunner.engines.parked_weights import ParkedWeights
 from rayrunner.engines.transformers.kv.kv_batch import BatchCache, new_cache
+from rayrunner.engines.transformers.step import fast_decode
 from rayrunner.engines.transformers.step.fast_decode import SHARED_QDATA, SHARED_SCALE, FastDecode
 from rayrunner.quantization import quantize_model, weight_bytes
 from tests.tiny_models import build_tiny_llava
@@ -91,8 +92,12 @@ def _llava(folder: Path) -> torch.nn.Module:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("amx", [False, True], ids=["two-matmuls", "sdpa"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "llava"])
-def test_float32_step_matches_transformers_forward(tiny_llama_dir: str, tmp_path: Path, kind: str) -> None:
+def test_float32_step_matches_transformers_forward(tiny_llama_dir: str, tmp_path: Path, kind: str, amx: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # either attention, whatever this CPU has: the two matmuls (no AMX) or PyTorch's SDPA (AMX tiles)
+    monkeypatch.setattr(fast_decode, "amx_tiles", lambda: amx)
     model = {"llama": lambda: _model(tiny_llama_dir, torch.float32), "qwen3": _qwen3,
              "llava": lambda: _llava(tmp_path)}[kind]()
     fast = FastDecode.for_model(model)

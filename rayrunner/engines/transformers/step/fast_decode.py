@@ -13,10 +13,11 @@ the operations around it:
 - RoPE on the query and key heads at once: the heads times the cosine plus their halves swapped (`roll`) times a
   sine whose first half is negated;
 - keys and values appended into room reserved in the `BatchCache` (`append`), not concatenated;
-- attention as two matmuls and a softmax over the GQA groups, without repeating the key/value heads (cheaper on CPU
-  than `scaled_dot_product_attention` for one query token per row). Up to `FLOAT32_ATTENTION_MAX` cached positions
-  over all rows it computes in float32, past that in the model's dtype, where converting the cache would cost more
-  than it saves; on a CPU without a native bf16 GEMM (`cpu_gemm`) always in float32.
+- attention as two matmuls and a softmax over the GQA groups, without repeating the key/value heads (cheaper than
+  `scaled_dot_product_attention` for one query token per row on CPUs without AMX). Up to `FLOAT32_ATTENTION_MAX`
+  cached positions over all rows it computes in float32, past that in the model's dtype, where converting the cache
+  would cost more than it saves; on a CPU without a native bf16 GEMM (`cpu_gemm`) always in float32. On a CPU with
+  AMX tiles, PyTorch's flash SDPA (grouped heads, its blocks multiplied on the tiles) is faster and takes it.
 
 Prefill (images included), LoRA adapters (peft replaces the Linears), and other architectures keep transformers'
 forward: `FastDecode.for_model` says None for a model whose decoder layers it does not cover. What this step gains,
@@ -30,11 +31,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rayrunner.engines.transformers.kv.kv_batch import BatchCache, layer_windows, mergeable
-from rayrunner.quantization.cpu_gemm import wide_dtype
+from rayrunner.quantization.cpu_gemm import amx_tiles, wide_dtype
 from rayrunner.quantization.int8_rows import KERNEL_IN_MULTIPLE, KERNEL_MAX_ROWS, Int8Linear, int8_matmul, share_storage
 from rayrunner.quantization.packed_linear import fused_pack
 
@@ -265,6 +267,11 @@ def _grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     """Attention of one new position per row: `query` [rows, kv_heads, group, dim] over `keys`/`values`
     [rows, kv_heads, capacity, dim], with `bias` hiding what is not attended; the output [rows, kv_heads, group, dim]
     in the query's dtype."""
+    if keys.device.type == "cpu" and amx_tiles():
+        rows, kv_heads, group, dim = query.shape
+        out = F.scaled_dot_product_attention(query.reshape(rows, kv_heads * group, 1, dim), keys, values,
+                                             attn_mask=bias, scale=scaling, enable_gqa=True)
+        return out.view(rows, kv_heads, group, dim)
     dtype = query.dtype
     in_float32 = (dtype == torch.float32 or keys.shape[0] * keys.shape[2] <= FLOAT32_ATTENTION_MAX
                   or (keys.device.type == "cpu" and wide_dtype(dtype) == torch.float32))
