@@ -147,6 +147,8 @@ class FastDecode:
             if rows_cache is not None:
                 batch, mask = rows_cache
                 keys, values = batch.append(index, both[:rows, heads:, None], qkv[:rows, heads + kv_heads:, None])
+                if _flash_attention(keys):  # it reads strided keys and values: only the cached positions
+                    keys, values = keys[:, :, : mask.shape[1]], values[:, :, : mask.shape[1]]
                 window = self.windows[index]
                 bias = biases.get(window)
                 if bias is None or bias.shape[-1] != keys.shape[2]:
@@ -262,12 +264,17 @@ def _attention_bias(mask: torch.Tensor, capacity: int, window: int | None = None
     return bias[:, None, None]
 
 
+def _flash_attention(keys: torch.Tensor) -> bool:
+    """Whether decode attention over `keys` runs through PyTorch's flash SDPA (see the module docstring)."""
+    return keys.device.type == "cpu" and amx_tiles()
+
+
 def _grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                        scaling: float) -> torch.Tensor:
     """Attention of one new position per row: `query` [rows, kv_heads, group, dim] over `keys`/`values`
     [rows, kv_heads, capacity, dim], with `bias` hiding what is not attended; the output [rows, kv_heads, group, dim]
     in the query's dtype."""
-    if keys.device.type == "cpu" and amx_tiles():
+    if _flash_attention(keys):
         rows, kv_heads, group, dim = query.shape
         out = F.scaled_dot_product_attention(query.reshape(rows, kv_heads * group, 1, dim), keys, values,
                                              attn_mask=bias, scale=scaling, enable_gqa=True)
