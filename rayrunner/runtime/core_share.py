@@ -35,11 +35,10 @@ SWEEP_S = 60.0  # a lease this old is deleted by whoever sees it
 # Cores left to the serving path (every token also crosses the proxy, the router and the replica's event loop, and
 # a client or tokenizer may run on the node): one on larger nodes, where a core is a small share and more OpenMP
 # workers wait longer at each barrier for one the serving path took. None on a node of `SMALL_NODE` cores or fewer,
-# where the engine's share keeps both cores for prompts (prefilled in a step or beside it), but a step that only
-# decodes runs one thread fewer than the share (`CoreShare.decode_threads`): Ray's and Serve's processes take ~20% of
-# a core even for one stream, and a decode step's many small matmuls wait for whichever worker they preempt
-# (figures: docs/performance.md, "Sharing the cores"). `RAYRUNNER_SERVING_CORES` sets the count; then, or with a
-# cap set by hand, decode steps use the whole share.
+# where the engine's share keeps both cores for a prompt prefilled beside its decode step, but the step loop itself
+# runs one thread fewer than the share (`CoreShare.step_threads`): Ray's and Serve's processes take ~20% of a core
+# even for one stream, and a step's matmuls wait for whichever worker they preempt (figures: docs/performance.md,
+# "Sharing the cores"). `RAYRUNNER_SERVING_CORES` sets the count; then, or with a cap set by hand, steps use the share.
 SMALL_NODE = 2
 SERVING_CORES_ENV = "RAYRUNNER_SERVING_CORES"
 _numbers = itertools.count()  # of the leases of this process (`<pid>-<number>`)
@@ -97,9 +96,9 @@ class CoreShare:
             self.threads = self._limit(self._share(now))
         return self.threads
 
-    def decode_threads(self) -> int:
-        """The threads a decode step runs with now: the share (`working`), less one on a small node (see
-        `SMALL_NODE`) unless a cap or `RAYRUNNER_SERVING_CORES` was set."""
+    def step_threads(self) -> int:
+        """The threads a step loop runs with now: the share (`working`), less one on a small node (see `SMALL_NODE`)
+        unless a cap or `RAYRUNNER_SERVING_CORES` was set."""
         threads = self.working()
         small = node_cores() <= SMALL_NODE and not os.environ.get(SERVING_CORES_ENV, "").strip()
         return max(1, threads - 1) if small and self.cap is None else threads

@@ -254,9 +254,7 @@ class StepScheduler:
                     self._cond.wait()
                 if self._closed:
                     return
-            # a step that starts prompts (compute-bound) takes the whole share; one that only decodes, fewer on a
-            # small node (`CoreShare.decode_threads`)
-            compute.use_share(1 if self._aside.busy else None if self._startable() else compute.cores.decode_threads())
+            compute.use_share(1 if self._aside.busy else compute.cores.step_threads())
             self._step_started_at = time.monotonic()
             with torch.inference_mode():
                 self.step()
@@ -269,11 +267,8 @@ class StepScheduler:
 
     def _has_work(self) -> bool:
         """Something a step would do now (the queue waits while prompts are aside: nothing starts meanwhile)."""
-        return bool(self._running or self._jobs) or self._startable() or self._aside.ready()
-
-    def _startable(self) -> bool:
-        """Prompts the next step may start prefilling."""
-        return bool(self._waiting or self._chunking is not None) and not self._aside.busy
+        startable = bool(self._waiting or self._chunking is not None) and not self._aside.busy
+        return bool(self._running or self._jobs) or startable or self._aside.ready()
 
     def _report_load(self, force: bool = False) -> None:
         """Running and queued sequences to the metrics, at most twice a second while busy."""
