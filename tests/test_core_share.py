@@ -94,20 +94,6 @@ def test_the_engines_leave_a_core_to_the_serving_path_on_larger_nodes_only(
     assert core_share.engine_cores() == 7 and CoreShare(folder=tmp_path / "eight").working() == 7
 
 
-def test_steps_leave_a_core_of_a_small_node_unless_told_otherwise(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(core_share.SERVING_CORES_ENV, raising=False)
-    monkeypatch.setattr(core_share, "node_cores", lambda: 2)
-    share = CoreShare(folder=tmp_path)
-    assert share.working() == 2 and share.step_threads() == 1  # the share stays 2 (for prefill aside)
-    assert CoreShare(cap=2, folder=tmp_path / "capped").step_threads() == 2  # a cap set by hand is kept
-    monkeypatch.setenv(core_share.SERVING_CORES_ENV, "0")
-    assert CoreShare(folder=tmp_path / "told").step_threads() == 2
-    monkeypatch.delenv(core_share.SERVING_CORES_ENV)
-    monkeypatch.setattr(core_share, "node_cores", lambda: 8)
-    assert CoreShare(folder=tmp_path / "eight").step_threads() == 7
-
-
 def test_the_serving_cores_setting_overrides_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(core_share.SERVING_CORES_ENV, "1")
     monkeypatch.setattr(core_share, "node_cores", lambda: 2)

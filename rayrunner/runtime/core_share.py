@@ -33,12 +33,10 @@ REFRESH_S = 0.1  # how often a busy engine touches its lease and recounts its pe
 STALE_S = 5.0
 SWEEP_S = 60.0  # a lease this old is deleted by whoever sees it
 # Cores left to the serving path (every token also crosses the proxy, the router and the replica's event loop, and
-# a client or tokenizer may run on the node): one on larger nodes, where a core is a small share and more OpenMP
-# workers wait longer at each barrier for one the serving path took. None on a node of `SMALL_NODE` cores or fewer,
-# where the engine's share keeps both cores for a prompt prefilled beside its decode step, but the step loop itself
-# runs one thread fewer than the share (`CoreShare.step_threads`): Ray's and Serve's processes take ~20% of a core
-# even for one stream, and a step's matmuls wait for whichever worker they preempt (figures: docs/performance.md,
-# "Sharing the cores"). `RAYRUNNER_SERVING_CORES` sets the count; then, or with a cap set by hand, steps use the share.
+# a client or tokenizer may run on the node): none on a node of `SMALL_NODE` cores or fewer, where the path needs
+# far less than a core and a model busy alone decodes faster on all of them; one on larger nodes, where a core is a
+# small share and more OpenMP workers wait longer at each barrier for one the serving path took (figures:
+# docs/performance.md, "Sharing the cores"). `RAYRUNNER_SERVING_CORES` sets it.
 SMALL_NODE = 2
 SERVING_CORES_ENV = "RAYRUNNER_SERVING_CORES"
 _numbers = itertools.count()  # of the leases of this process (`<pid>-<number>`)
@@ -95,13 +93,6 @@ class CoreShare:
             self._touch()
             self.threads = self._limit(self._share(now))
         return self.threads
-
-    def step_threads(self) -> int:
-        """The threads a step loop runs with now: the share (`working`), less one on a small node (see `SMALL_NODE`)
-        unless a cap or `RAYRUNNER_SERVING_CORES` was set."""
-        threads = self.working()
-        small = node_cores() <= SMALL_NODE and not os.environ.get(SERVING_CORES_ENV, "").strip()
-        return max(1, threads - 1) if small and self.cap is None else threads
 
     def _touch(self) -> None:
         """Refresh the lease, making the folder again if something deleted it (a /dev/shm or /tmp clean-up)."""

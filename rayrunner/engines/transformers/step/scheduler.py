@@ -254,7 +254,7 @@ class StepScheduler:
                     self._cond.wait()
                 if self._closed:
                     return
-            compute.use_share(1 if self._aside.busy else compute.cores.step_threads())
+            compute.use_share(1 if self._aside.busy else None)
             self._step_started_at = time.monotonic()
             with torch.inference_mode():
                 self.step()
