@@ -133,6 +133,8 @@ class FastDecode:
         biases: dict[int | None, torch.Tensor] = {}  # by window: the same for every layer of one kind
         width = hidden.shape[0]
         kernel = hidden.dtype == torch.bfloat16 and width <= KERNEL_MAX_ROWS
+        flash = hidden.device.type == "cpu" and amx_tiles()  # decode attention through SDPA (module docstring)
+        attention = _flash_attention if flash else _grouped_attention
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         for index, layer in enumerate(self.layers):
             qkv = _projections(layer.attention, QKV, _rms_norm(layer.input_norm, hidden), kernel)
@@ -147,14 +149,14 @@ class FastDecode:
             if rows_cache is not None:
                 batch, mask = rows_cache
                 keys, values = batch.append(index, both[:rows, heads:, None], qkv[:rows, heads + kv_heads:, None])
-                if _flash_attention(keys):  # it reads strided keys and values: only the cached positions
+                if flash:  # SDPA reads strided keys and values: only the cached positions
                     keys, values = keys[:, :, : mask.shape[1]], values[:, :, : mask.shape[1]]
                 window = self.windows[index]
                 bias = biases.get(window)
                 if bias is None or bias.shape[-1] != keys.shape[2]:
                     bias = biases[window] = _attention_bias(mask, keys.shape[2], window)
-                outs.append(_grouped_attention(both[:rows, :heads].reshape(rows, kv_heads, -1, dim), keys, values,
-                                               bias, layer.scaling).view(rows, -1))
+                outs.append(attention(both[:rows, :heads].reshape(rows, kv_heads, -1, dim), keys, values, bias,
+                                      layer.scaling).view(rows, -1))
             outs += [prompt.attend(index, layer, both[start:end], qkv[start:end, heads + kv_heads:])
                      for prompt, (start, end) in zip(prompts, spans, strict=True)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -264,9 +266,13 @@ def _attention_bias(mask: torch.Tensor, capacity: int, window: int | None = None
     return bias[:, None, None]
 
 
-def _flash_attention(keys: torch.Tensor) -> bool:
-    """Whether decode attention over `keys` runs through PyTorch's flash SDPA (see the module docstring)."""
-    return keys.device.type == "cpu" and amx_tiles()
+def _flash_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                     scaling: float) -> torch.Tensor:
+    """`_grouped_attention` through PyTorch's flash SDPA, the KV heads grouped without copies (CPUs with AMX)."""
+    rows, kv_heads, group, dim = query.shape
+    out = F.scaled_dot_product_attention(query.reshape(rows, kv_heads * group, 1, dim), keys, values,
+                                         attn_mask=bias, scale=scaling, enable_gqa=True)
+    return out.view(rows, kv_heads, group, dim)
 
 
 def _grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
@@ -274,11 +280,6 @@ def _grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     """Attention of one new position per row: `query` [rows, kv_heads, group, dim] over `keys`/`values`
     [rows, kv_heads, capacity, dim], with `bias` hiding what is not attended; the output [rows, kv_heads, group, dim]
     in the query's dtype."""
-    if _flash_attention(keys):
-        rows, kv_heads, group, dim = query.shape
-        out = F.scaled_dot_product_attention(query.reshape(rows, kv_heads * group, 1, dim), keys, values,
-                                             attn_mask=bias, scale=scaling, enable_gqa=True)
-        return out.view(rows, kv_heads, group, dim)
     dtype = query.dtype
     in_float32 = (dtype == torch.float32 or keys.shape[0] * keys.shape[2] <= FLOAT32_ATTENTION_MAX
                   or (keys.device.type == "cpu" and wide_dtype(dtype) == torch.float32))
