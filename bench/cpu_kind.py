@@ -17,8 +17,10 @@ CPUINFO = Path("/proc/cpuinfo")
 
 
 def cpu_kind(cpuinfo: str | None = None) -> str:
-    """The CPU's model name and which of `FLAGS` it has, e.g. `AMD EPYC (avx2 avx512_bf16)`; `cpuinfo` is the text
-    of /proc/cpuinfo (read here when None; `platform.processor()` and no flags where there is none)."""
+    """The CPU's model name, its family and model numbers, and which of `FLAGS` it has, e.g. `AMD EPYC, family 26
+    model 2 (avx2 avx512_bf16)`: a VM's model name can hide the generation (AMD family 25 is Zen 3 and 4, 26 Zen 5),
+    the numbers do not. `cpuinfo` is the text of /proc/cpuinfo (read here when None; `platform.processor()` and no
+    flags where there is none)."""
     if cpuinfo is None:
         try:
             cpuinfo = CPUINFO.read_text()
@@ -27,7 +29,15 @@ def cpu_kind(cpuinfo: str | None = None) -> str:
     names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo, flags=re.MULTILINE)
     words = set(re.findall(r"\w+", "\n".join(re.findall(r"^flags\s*:.*$", cpuinfo, flags=re.MULTILINE))))
     flags = sorted(flag for flag in FLAGS if flag in words)
-    return f"{names[0].strip() if names else platform.machine()} ({' '.join(flags) or 'none of ' + ' '.join(FLAGS)})"
+    name = names[0].strip() if names else platform.machine()
+    return f"{name}{_generation(cpuinfo)} ({' '.join(flags) or 'none of ' + ' '.join(FLAGS)})"
+
+
+def _generation(cpuinfo: str) -> str:
+    """`, family F model M` from the first CPU of `cpuinfo`, or nothing where it does not say."""
+    family = re.search(r"^cpu family\s*:\s*(\d+)$", cpuinfo, flags=re.MULTILINE)
+    model = re.search(r"^model\s*:\s*(\d+)$", cpuinfo, flags=re.MULTILINE)
+    return f", family {family[1]} model {model[1]}" if family and model else ""
 
 
 def cpu_line() -> str:

@@ -32,6 +32,12 @@ def test_cpu_kind_names_the_model_and_the_flags_that_rank_servers() -> None:
     assert cpu_kind(AMX) == "Intel(R) Xeon(R) Platinum 8481C (amx_bf16 amx_int8 avx2 avx512_bf16)"
 
 
+def test_cpu_kind_names_the_generation_a_vm_s_model_name_hides() -> None:
+    zen5 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n"
+            "flags\t\t: avx2 avx512_bf16 avx512_vnni\n")
+    assert cpu_kind(zen5) == "AMD EPYC, family 26 model 2 (avx2 avx512_bf16 avx512_vnni)"
+
+
 def test_cpu_kind_matches_whole_flags_only() -> None:
     text = "model name\t: Some CPU\nflags\t\t: avx avx2x avx512_bf16_extra\n"
     assert cpu_kind(text) == "Some CPU (none of amx_bf16 amx_int8 avx512_bf16 avx512_vnni avx2)"
