@@ -9,7 +9,9 @@ the operations around it:
 - int8 weights (`Int8Linear`) of a layer's q/k/v and of its gate/up share one tensor each (`share_storage`: views,
   no second copy), so a layer takes 4 int8 kernel calls instead of 7, made directly for a few bf16 rows; packed bf16
   weights share one packed weight each the same way (`FusedPack`);
-- RMSNorm inlined with transformers' operations (float32, in place where they allocate a scratch tensor);
+- each residual add and the RMSNorm after it in one call of a fused bf16 operation (`fused_ops`, rounded as
+  transformers' operations round) where it is built; else transformers' operations inlined (float32, in place
+  where they allocate a scratch tensor);
 - RoPE on the query and key heads at once: the heads times the cosine plus their halves swapped (`roll`) times a
   sine whose first half is negated;
 - keys and values appended into room reserved in the `BatchCache` (`append`), not concatenated;
@@ -36,6 +38,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rayrunner.engines.transformers.kv.kv_batch import BatchCache, layer_windows, mergeable
+from rayrunner.engines.transformers.step import fused_ops
 from rayrunner.quantization.cpu_gemm import amx_tiles, wide_dtype
 from rayrunner.quantization.int8_rows import KERNEL_IN_MULTIPLE, KERNEL_MAX_ROWS, Int8Linear, int8_matmul, share_storage
 from rayrunner.quantization.packed_linear import fused_pack
@@ -136,8 +139,10 @@ class FastDecode:
         flash = hidden.device.type == "cpu" and amx_tiles()  # decode attention through SDPA (module docstring)
         attention = _flash_attention if flash else _grouped_attention
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        fused = fused_ops.applies(hidden)  # residual adds and norms in one call each (module docstring)
+        normed = _add_norm(self.layers[0].input_norm, hidden, None, fused)
         for index, layer in enumerate(self.layers):
-            qkv = _projections(layer.attention, QKV, _rms_norm(layer.input_norm, hidden), kernel)
+            qkv = _projections(layer.attention, QKV, normed, kernel)
             qkv = qkv.view(width, heads + 2 * kv_heads, dim)
             both = qkv[:, : heads + kv_heads] if layer.q_norm is None else torch.cat(
                 [_rms_norm(layer.q_norm, qkv[:, :heads]), _rms_norm(layer.k_norm, qkv[:, heads: heads + kv_heads])],
@@ -160,15 +165,19 @@ class FastDecode:
             outs += [prompt.attend(index, layer, both[start:end], qkv[start:end, heads + kv_heads:])
                      for prompt, (start, end) in zip(prompts, spans, strict=True)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
-            hidden += _linear(layer.o_proj, out, kernel)
-            gate_up = _projections(layer.mlp, GATE_UP, _rms_norm(layer.post_norm, hidden), kernel)
+            normed = _add_norm(layer.post_norm, hidden, _linear(layer.o_proj, out, kernel), fused)
+            gate_up = _projections(layer.mlp, GATE_UP, normed, kernel)
             gate, up = gate_up.split(self.intermediate, dim=-1)
-            hidden += _linear(layer.down_proj, layer.act(gate).mul_(up), kernel)
+            down = _linear(layer.down_proj, layer.act(gate).mul_(up), kernel)
+            if index + 1 < len(self.layers):
+                normed = _add_norm(self.layers[index + 1].input_norm, hidden, down, fused)
+            else:
+                hidden += down
         for prompt in prompts:
             prompt.grew()
         if prompts:
             hidden = hidden[[*range(rows), *(end - 1 for _, end in spans)]]
-        return self.lm_head.forward(_rms_norm(self.decoder.norm, hidden))[:, None]
+        return self.lm_head.forward(_add_norm(self.decoder.norm, hidden, None, fused))[:, None]
 
 
 class PromptChunk:
@@ -247,6 +256,15 @@ def _is_rms_norm(module: nn.Module) -> bool:
     """transformers' Llama-style RMSNorm (weight times the normalised input, no offset)."""
     name = type(module).__name__
     return name.endswith("RMSNorm") and not name.startswith("Gemma") and hasattr(module, "variance_epsilon")
+
+
+def _add_norm(norm: Any, hidden: torch.Tensor, addend: torch.Tensor | None, fused: bool) -> torch.Tensor:
+    """`hidden += addend` (unless None), then `norm` of `hidden`: in one fused call where `fused` takes it."""
+    if fused and norm.weight.dtype == hidden.dtype:
+        return fused_ops.add_rms_norm(hidden, addend, norm.weight, norm.variance_epsilon)
+    if addend is not None:
+        hidden += addend
+    return _rms_norm(norm, hidden)
 
 
 def _rms_norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:

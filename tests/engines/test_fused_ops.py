@@ -1,0 +1,108 @@
+"""The fast decode step's fused bf16 operations (`fused_ops`): built with this machine's C compiler, rounded as the
+PyTorch operations they replace, refused or switched off cleanly; and a bf16 decode step with them against one
+without."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from rayrunner.engines.transformers.step import fast_decode, fused_ops
+from rayrunner.engines.transformers.step.fast_decode import FastDecode
+from tests.engines.test_fast_decode import _decode, _model, _relative
+
+needs_compiler = pytest.mark.skipif(fused_ops.compiler() is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture
+def rebuilt() -> Iterator[None]:
+    """`library()` looked up afresh in the test, and again after it (the test may change what it finds)."""
+    fused_ops.library.cache_clear()
+    yield
+    fused_ops.library.cache_clear()
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter((torch.randn(width) * 0.2 + 1).to(torch.bfloat16))
+        self.variance_epsilon = 1e-5
+
+
+def _bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps apart each pair of values is (same sign: adjacent bit patterns)."""
+    return (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows, width", [(1, 64), (16, 576), (124, 576), (3, 960)])
+@pytest.mark.parametrize("with_addend", [True, False], ids=["add-and-norm", "norm"])
+def test_add_rms_norm_rounds_as_pytorchs_operations(rows: int, width: int, with_addend: bool) -> None:
+    assert fused_ops.library() is not None  # a compiler is here: the build must work
+    torch.manual_seed(rows * width)
+    norm = _Norm(width)
+    hidden = (torch.randn(rows, width) * 3).to(torch.bfloat16)
+    addend = (torch.randn(rows, width) * 2).to(torch.bfloat16) if with_addend else None
+    mine, theirs = hidden.clone(), hidden.clone()
+    with torch.inference_mode():
+        got = fused_ops.add_rms_norm(mine, addend, norm.weight, norm.variance_epsilon)
+        if addend is not None:
+            theirs += addend
+        want = fast_decode._rms_norm(norm, theirs)
+    assert torch.equal(mine, theirs)  # the residual add, in place, exactly
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    ulps = _bf16_ulps(got, want)
+    assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) < 0.01  # a float32 sum's order at most
+
+
+@needs_compiler
+def test_mismatched_tensors_are_refused_before_any_work() -> None:
+    hidden = torch.zeros(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="addend"):
+        fused_ops.add_rms_norm(hidden, torch.zeros(2, 4, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16),
+                               1e-5)
+    with pytest.raises(ValueError, match="norm weight"):
+        fused_ops.add_rms_norm(hidden, None, torch.ones(8), 1e-5)  # float32 weight on bf16 rows
+    assert not fused_ops.applies(torch.zeros(2, 8))  # float32 rows keep PyTorch's operations
+
+
+def test_switched_off_or_without_a_compiler_the_step_keeps_pytorchs_operations(
+        rebuilt: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(fused_ops.SWITCH_ENV, "0")
+    assert fused_ops.library() is None
+    assert not fused_ops.applies(torch.zeros(1, 8, dtype=torch.bfloat16))
+    fused_ops.library.cache_clear()
+    monkeypatch.delenv(fused_ops.SWITCH_ENV)
+    monkeypatch.setenv("RAYRUNNER_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert fused_ops.library() is None  # the build failed: logged, not raised
+
+
+@needs_compiler
+def test_a_fresh_cache_builds_the_library_once(rebuilt: None, monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    monkeypatch.setenv("RAYRUNNER_CACHE_DIR", str(tmp_path))
+    assert fused_ops.library() is not None
+    built = list((tmp_path / "kernels").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"
+    fused_ops.library.cache_clear()
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))  # a built library needs no compiler
+    assert fused_ops.library() is not None
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_a_bf16_step_with_fused_operations_decodes_as_without(tiny_llama_dir: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model(tiny_llama_dir, torch.bfloat16)
+    fast = FastDecode.for_model(model)
+    assert fast is not None and fused_ops.applies(torch.zeros(1, 8, dtype=torch.bfloat16))
+    got, _ = _decode(model, fast, steps=6)
+    monkeypatch.setattr(fused_ops, "applies", lambda hidden: False)
+    want, _ = _decode(model, fast, steps=6)
+    for got_logits, want_logits in zip(got, want, strict=True):
+        assert _relative(got_logits, want_logits) < 0.02
+    assert [step.argmax(-1).tolist() for step in got] == [step.argmax(-1).tolist() for step in want]
