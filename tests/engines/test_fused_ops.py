@@ -59,6 +59,24 @@ def test_add_rms_norm_rounds_as_pytorchs_operations(rows: int, width: int, with_
 
 
 @needs_compiler
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("qk_norms", [False, True], ids=["qkv-rows", "contiguous"])
+def test_rope_rounds_as_pytorchs_operations(rows: int, qk_norms: bool) -> None:
+    torch.manual_seed(rows)
+    heads, kv_heads, dim = 9, 3, 64
+    qkv = (torch.randn(rows, heads + 2 * kv_heads, dim) * 2).to(torch.bfloat16)
+    x = qkv if not qk_norms else qkv[:, : heads + kv_heads].clone()  # Qwen3's normed heads: a tensor of their own
+    angles = torch.randn(rows, 1, dim) * 5
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    sin = torch.cat([-sin[..., : dim // 2], sin[..., dim // 2:]], dim=-1)
+    with torch.inference_mode():
+        got = fused_ops.rope(x, heads + kv_heads, cos, sin)
+        want = fast_decode._rope(x, heads + kv_heads, cos, sin, fused=False)
+    assert got.shape == (rows, heads + kv_heads, dim)
+    assert int(_bf16_ulps(got, want).max()) <= 1
+
+
+@needs_compiler
 def test_mismatched_tensors_are_refused_before_any_work() -> None:
     hidden = torch.zeros(2, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="addend"):
@@ -66,7 +84,15 @@ def test_mismatched_tensors_are_refused_before_any_work() -> None:
                                1e-5)
     with pytest.raises(ValueError, match="norm weight"):
         fused_ops.add_rms_norm(hidden, None, torch.ones(8), 1e-5)  # float32 weight on bf16 rows
+    with pytest.raises(ValueError, match="RoPE table"):
+        fused_ops.rope(torch.zeros(2, 4, 8, dtype=torch.bfloat16), 3, torch.zeros(2, 1, 4, dtype=torch.bfloat16),
+                       torch.zeros(2, 1, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="rotating"):
+        fused_ops.rope(torch.zeros(2, 4, 8, dtype=torch.bfloat16), 5, torch.zeros(2, 1, 8, dtype=torch.bfloat16),
+                       torch.zeros(2, 1, 8, dtype=torch.bfloat16))
     assert not fused_ops.applies(torch.zeros(2, 8))  # float32 rows keep PyTorch's operations
+    with pytest.raises(ValueError, match="bf16 CPU tensors"):
+        fused_ops.rope(torch.zeros(2, 4, 8), 3, torch.zeros(2, 1, 8), torch.zeros(2, 1, 8))
 
 
 def test_switched_off_or_without_a_compiler_the_step_keeps_pytorchs_operations(

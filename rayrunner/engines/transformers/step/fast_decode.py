@@ -9,9 +9,9 @@ the operations around it:
 - int8 weights (`Int8Linear`) of a layer's q/k/v and of its gate/up share one tensor each (`share_storage`: views,
   no second copy), so a layer takes 4 int8 kernel calls instead of 7, made directly for a few bf16 rows; packed bf16
   weights share one packed weight each the same way (`FusedPack`);
-- each residual add and the RMSNorm after it in one call of a fused bf16 operation (`fused_ops`, rounded as
-  transformers' operations round) where it is built; else transformers' operations inlined (float32, in place
-  where they allocate a scratch tensor);
+- in bf16 on a CPU, fused operations (`fused_ops`, one call each, rounded as the operations they replace round)
+  where they are built: each residual add with the RMSNorm after it, and RoPE; else transformers' operations
+  inlined (the norms in float32, in place where they allocate a scratch tensor);
 - RoPE on the query and key heads at once: the heads times the cosine plus their halves swapped (`roll`) times a
   sine whose first half is negated;
 - keys and values appended into room reserved in the `BatchCache` (`append`), not concatenated;
@@ -132,7 +132,7 @@ class FastDecode:
         hidden = self.decoder.embed_tokens.forward(tokens)  # [rows (+ prompt tokens), hidden]: one position each
         cos, sin = self.decoder.rotary_emb.forward(hidden, positions)  # [rows (+ prompt tokens), 1, head_dim]
         half = self.head_dim // 2
-        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # for the halves swapped (`_rope`)
         biases: dict[int | None, torch.Tensor] = {}  # by window: the same for every layer of one kind
         width = hidden.shape[0]
         kernel = hidden.dtype == torch.bfloat16 and width <= KERNEL_MAX_ROWS
@@ -144,12 +144,10 @@ class FastDecode:
         for index, layer in enumerate(self.layers):
             qkv = _projections(layer.attention, QKV, normed, kernel)
             qkv = qkv.view(width, heads + 2 * kv_heads, dim)
-            both = qkv[:, : heads + kv_heads] if layer.q_norm is None else torch.cat(
+            both = qkv if layer.q_norm is None else torch.cat(
                 [_rms_norm(layer.q_norm, qkv[:, :heads]), _rms_norm(layer.k_norm, qkv[:, heads: heads + kv_heads])],
                 dim=1)
-            # RoPE rounded as transformers rounds it (two products, then their sum): a prompt's logits come out as
-            # its own prefill's, bit for bit, in bf16 too (one addcmul rounds once and can tip a near-tie)
-            both = both * cos + both.roll(half, dims=-1) * sin  # [width, heads + kv_heads, head_dim]
+            both = _rope(both, heads + kv_heads, cos, sin, fused)  # [width, heads + kv_heads, head_dim]
             outs = []
             if rows_cache is not None:
                 batch, mask = rows_cache
@@ -256,6 +254,17 @@ def _is_rms_norm(module: nn.Module) -> bool:
     """transformers' Llama-style RMSNorm (weight times the normalised input, no offset)."""
     name = type(module).__name__
     return name.endswith("RMSNorm") and not name.startswith("Gemma") and hasattr(module, "variance_epsilon")
+
+
+def _rope(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
+    """RoPE on the first `heads` heads of `x` [width, more heads, head_dim], rounded as transformers rounds it (two
+    products, then their sum; one addcmul rounds once and can tip a near-tie): a prompt's logits come out as its own
+    prefill's, bit for bit, in bf16 too. `sin` has its first half negated, so the halves swapped stand for
+    transformers' `rotate_half`."""
+    if fused:
+        return fused_ops.rope(x, heads, cos, sin)
+    x = x[:, :heads]
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 def _add_norm(norm: Any, hidden: torch.Tensor, addend: torch.Tensor | None, fused: bool) -> torch.Tensor:

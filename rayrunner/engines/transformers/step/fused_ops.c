@@ -38,3 +38,24 @@ void add_rms_norm(uint16_t *hidden, const uint16_t *addend, const uint16_t *weig
             o[i] = float_to_bf16(bf16_to_float(weight[i]) * bf16_to_float(float_to_bf16(bf16_to_float(h[i]) * scale)));
     }
 }
+
+/* RoPE on the first `heads` heads (of `dim`) of each of `rows` rows of `x` (a row every `row_stride` elements):
+   out = bf16(x * cos) + bf16(roll(x, dim / 2) * sin), rounded to bf16, where `sin` holds its first half negated
+   (fast_decode's form of transformers' rotate_half); `cos` and `sin` are [rows, dim], `out` [rows, heads, dim]. */
+void rope(const uint16_t *x, int64_t row_stride, const uint16_t *cos, const uint16_t *sin, uint16_t *out,
+          int64_t rows, int64_t heads, int64_t dim) {
+    int64_t half = dim / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *c = cos + r * dim, *s = sin + r * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *in = x + r * row_stride + h * dim;
+            uint16_t *o = out + (r * heads + h) * dim;
+            for (int64_t d = 0; d < dim; d++) { /* the halves swapped: turned[d] = in[(d + half) % dim] */
+                int64_t from = d < half ? d + half : d - half;
+                float straight = bf16_to_float(float_to_bf16(bf16_to_float(in[d]) * bf16_to_float(c[d])));
+                float turned = bf16_to_float(float_to_bf16(bf16_to_float(in[from]) * bf16_to_float(s[d])));
+                o[d] = float_to_bf16(straight + turned);
+            }
+        }
+    }
+}
