@@ -1,0 +1,146 @@
+"""The fast decode step with its fused bf16 operations (`rayrunner.engines.transformers.step.fused_ops`) against the
+same step with PyTorch's operations, in process, alternating, on the builtin SmolLM2: decode steps, and a wave of
+prompts prefilled together; and each fused operation against the PyTorch operations it replaces, per call.
+
+Run:  .venv/bin/python bench/bench_fused_ops.py [--rows 1 16] [--context 150] [--steps 30] [--rounds 4] [--threads 1]
+                                               [--prompts 15] [--prompt-tokens 124]
+
+The step is the scheduler's, as `profile_step.py` drives it (every row decoding, `--context` tokens of prompt);
+each round times `--steps` steps with the fused operations and `--steps` without, on the same batch (its context
+grows by both). Figures: ms a step, the median of the rounds, and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from bench_decode_step import load
+from cpu_kind import cpu_line
+from profile_step import sequences, timed
+
+from rayrunner.engines.transformers.step import fast_decode, fused_ops
+
+
+def step_ms(model: Any, rows: int, context: int, steps: int, rounds: int) -> dict[bool, float]:
+    """Median ms a decode step of `rows` rows, with the fused operations (True) and without (False)."""
+    from rayrunner.engines.transformers.step.scheduler import SchedulerLimits, StepScheduler
+
+    scheduler = StepScheduler(model, SchedulerLimits(max_num_seqs=rows))
+    scheduler.fast_decode = fast_decode.FastDecode.for_model(model)
+    loop = asyncio.new_event_loop()
+    sequences(scheduler, rows, context, 2 * steps * rounds + 10, loop)
+    while scheduler.stats()["waiting"] or scheduler.stats()["running"] < rows:
+        scheduler.step()
+    timed(scheduler, 10)
+    built = fused_ops.applies
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for _ in range(rounds):
+            for fused in (True, False):
+                fused_ops.applies = built if fused else (lambda hidden: False)  # type: ignore[assignment]
+                times[fused].append(timed(scheduler, steps))
+    finally:
+        fused_ops.applies = built  # type: ignore[assignment]
+    return {fused: statistics.median(ms) for fused, ms in times.items()}
+
+
+def prefill_ms(model: Any, prompts: int, tokens: int, rounds: int) -> dict[bool, float]:
+    """Median ms to prefill `prompts` prompts of `tokens` tokens at once through the fast step (as prompts
+    prefilled aside or fed beside a decode step are), with the fused operations (True) and without (False)."""
+    from rayrunner.engines.transformers.kv.kv_batch import BatchCache, new_cache
+
+    fast = fast_decode.FastDecode.for_model(model)
+    assert fast is not None
+    heads = model.config.num_attention_heads
+
+    def chunks() -> list[fast_decode.PromptChunk]:
+        return [fast_decode.PromptChunk([(37 * t + 11 * i) % 4000 + 10 for t in range(tokens)], 0,
+                                        BatchCache(new_cache(model.config), torch.zeros((1, 0), dtype=torch.long)),
+                                        heads) for i in range(prompts)]
+
+    built = fused_ops.applies
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for _ in range(rounds + 1):  # the first round warms up
+            for fused in (True, False):
+                fused_ops.applies = built if fused else (lambda hidden: False)  # type: ignore[assignment]
+                started = time.perf_counter()
+                fast.prefill(chunks())
+                times[fused].append((time.perf_counter() - started) * 1000)
+    finally:
+        fused_ops.applies = built  # type: ignore[assignment]
+    return {fused: statistics.median(ms[1:]) for fused, ms in times.items()}
+
+
+def per_call_us(fn: Callable[[], Any], calls: int = 2000) -> float:
+    for _ in range(50):
+        fn()
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - started) / calls * 1e6
+
+
+def operations(rows: int, model: Any) -> list[tuple[str, float, float]]:
+    """(operation, us a call fused, us a call with PyTorch's operations) at `rows` rows of the model's shapes."""
+    config = model.config
+    width, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    dim = width // heads
+    norm = model.model.layers[0].post_attention_layernorm
+    hidden = torch.randn(rows, width).to(torch.bfloat16)
+    addend = torch.randn(rows, width).to(torch.bfloat16) * 0
+    qkv = torch.randn(rows, heads + 2 * kv_heads, dim).to(torch.bfloat16)
+    cos, sin = torch.randn(rows, 1, dim).to(torch.bfloat16), torch.randn(rows, 1, dim).to(torch.bfloat16)
+
+    def add_norm_eager() -> torch.Tensor:
+        hidden.add_(addend)
+        return fast_decode._rms_norm(norm, hidden)
+
+    return [
+        ("residual add + RMSNorm", per_call_us(lambda: fused_ops.add_rms_norm(hidden, addend, norm.weight,
+                                                                             norm.variance_epsilon)),
+         per_call_us(add_norm_eager)),
+        ("RoPE (query and key heads)", per_call_us(lambda: fused_ops.rope(qkv, heads + kv_heads, cos, sin)),
+         per_call_us(lambda: fast_decode._rope(qkv, heads + kv_heads, cos, sin, fused=False))),
+    ]
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--context", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--prompts", type=int, default=15, help="prompts prefilled together")
+    parser.add_argument("--prompt-tokens", type=int, default=124)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if fused_ops.library() is None:
+        raise SystemExit("the fused operations are not built here (no C compiler, or RAYRUNNER_FUSED_OPS=0)")
+    model = load("bf16")
+    print(cpu_line())
+    print(f"SmolLM2 bf16, torch threads {args.threads}, ~{args.context}-token context, medians of {args.rounds} "
+          f"alternating rounds of {args.steps} steps")
+    print("| work | fused ms | PyTorch's ops ms | fused / PyTorch's |\n|---|---|---|---|")
+    for rows in args.rows:
+        ms = step_ms(model, rows, args.context, args.steps, args.rounds)
+        print(f"| decode step, {rows} rows | {ms[True]:.1f} | {ms[False]:.1f} | {ms[True] / ms[False]:.2f}x |")
+    ms = prefill_ms(model, args.prompts, args.prompt_tokens, args.rounds)
+    print(f"| prefill {args.prompts} x {args.prompt_tokens} tokens | {ms[True]:.1f} | {ms[False]:.1f} | "
+          f"{ms[True] / ms[False]:.2f}x |")
+    print("\n| operation | rows | fused us a call | PyTorch's ops us a call |\n|---|---|---|---|")
+    for rows in (*args.rows, 1860):
+        for name, fused, eager in operations(rows, model):
+            print(f"| {name} | {rows} | {fused:.1f} | {eager:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
