@@ -80,7 +80,17 @@ class ModelRunner:
     # ------------------------------------------------------------ prefill
 
     def prefill_group(self, group: list[Sequence]) -> tuple[torch.Tensor, BatchCache]:
-        """Prefill whole prompts as one left-padded batch: the logits of each one's last position, and the cache."""
+        """Prefill whole prompts: the logits of each one's last position, and their cache, one batch. Text prompts
+        of the base model go through the fast step's `prefill` when it takes prompts (each on a cache of its own,
+        merged after, as prompts fed beside a decode step: no padding, and its fused operations); others as one
+        left-padded batch through transformers' forward."""
+        if all(self._fast_prompt(s) for s in group):
+            caches = [self.prompt_cache(s, 0) for s in group]
+            logits = self.prefill_aside([(s, 0, len(s.prefill_ids), cache) for s, cache in zip(group, caches,
+                                                                                                strict=True)])
+            for cache in caches[1:]:
+                caches[0].merge(cache)
+            return logits, caches[0]
         length = max(len(s.prefill_ids) for s in group)
         ids = torch.full((len(group), length), 0, dtype=torch.long, device=self.device)
         mask = torch.zeros((len(group), length), dtype=torch.long, device=self.device)
@@ -163,11 +173,16 @@ class ModelRunner:
         self.sample(running, logits[:, -1, :])
 
     def mixes(self, sequence: Sequence) -> bool:
-        """Whether `sequence`'s prompt can be fed beside the next decode step (`decode_with_prompts`): a text prompt
-        of the base model, unscored, with rows decoding and a fast step that takes prompts."""
+        """Whether `sequence`'s prompt can be fed beside the next decode step (`decode_with_prompts`): rows are
+        decoding and the fast step takes the prompt (`_fast_prompt`)."""
+        return self.batch is not None and self._fast_prompt(sequence)
+
+    def _fast_prompt(self, sequence: Sequence) -> bool:
+        """Whether the fast step takes `sequence`'s prompt: a text prompt of the base model, unscored, and a fast
+        step that takes prompts."""
         fast = self.fast_decode
         plain = not sequence.extra_inputs and not sequence.scores_prompt and sequence.adapter is None
-        return (plain and fast is not None and fast.mixes_prompts and self.batch is not None
+        return (plain and fast is not None and fast.mixes_prompts
                 and (self.adapters is None or self.adapters.peft is None))
 
     def decode_with_prompts(self, running: list[Sequence], max_positions: int | None,
