@@ -16,10 +16,54 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as PyT
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
-/* For each of `rows` rows of `width`: hidden += addend (rounded to bf16; skipped when addend is NULL), then
-   out = weight * bf16(hidden * rsqrt(mean(hidden^2) + eps)), the float32 arithmetic of transformers' LlamaRMSNorm. */
+/* The sum of `x[0..n)` in the order PyTorch's CPU kernel sums a contiguous float32 row (aten's SumKernel.cpp:
+   `vectorized_inner_sum` over vectors of 8 floats (it has no AVX-512 build: AVX-512 CPUs run its AVX2 one), its
+   `row_sum` over 4 interleaved accumulators, each a `multi_row_sum` cascade of 4 levels; then the scalar tail and
+   the lanes in order), so that a norm's scale is PyTorch's to the bit. */
+static float torch_order_sum(const float *x, int64_t n) {
+    enum { ILP = 4, LEVELS = 4, LANES = 8 };
+    float acc[LEVELS][ILP][LANES] = {{{0}}};
+    const int64_t lanes = LANES;
+    int64_t vectors = n / lanes, rows = vectors / ILP;
+    int64_t log2 = 0;
+    while (((int64_t)1 << log2) < rows) log2++;
+    int64_t power = log2 / LEVELS > 4 ? log2 / LEVELS : 4, step = (int64_t)1 << power, mask = step - 1;
+    int64_t i = 0;
+    while (i + step <= rows) {
+        for (int64_t j = 0; j < step; j++, i++)
+            for (int64_t k = 0; k < ILP; k++)
+                for (int64_t l = 0; l < lanes; l++) acc[0][k][l] += x[(i * ILP + k) * lanes + l];
+        for (int64_t level = 1; level < LEVELS; level++) {
+            for (int64_t k = 0; k < ILP; k++)
+                for (int64_t l = 0; l < lanes; l++) {
+                    acc[level][k][l] += acc[level - 1][k][l];
+                    acc[level - 1][k][l] = 0.f;
+                }
+            if ((i & (mask << (level * power))) != 0) break;
+        }
+    }
+    for (; i < rows; i++)
+        for (int64_t k = 0; k < ILP; k++)
+            for (int64_t l = 0; l < lanes; l++) acc[0][k][l] += x[(i * ILP + k) * lanes + l];
+    for (int64_t level = 1; level < LEVELS; level++)
+        for (int64_t k = 0; k < ILP; k++)
+            for (int64_t l = 0; l < lanes; l++) acc[0][k][l] += acc[level][k][l];
+    for (int64_t v = rows * ILP; v < vectors; v++)
+        for (int64_t l = 0; l < lanes; l++) acc[0][0][l] += x[v * lanes + l];
+    for (int64_t k = 1; k < ILP; k++)
+        for (int64_t l = 0; l < lanes; l++) acc[0][0][l] += acc[0][k][l];
+    float total = 0.f;
+    for (int64_t t = vectors * lanes; t < n; t++) total += x[t];
+    for (int64_t l = 0; l < lanes; l++) total += acc[0][0][l];
+    return total;
+}
+
+/* For each of `rows` rows of `width` (at most 16,384): hidden += addend (rounded to bf16; skipped when addend is
+   NULL), then out = weight * bf16(hidden * rsqrt(mean(hidden^2) + eps)), transformers' LlamaRMSNorm in float32, the
+   mean summed in PyTorch's order (`torch_order_sum`). */
 void add_rms_norm(uint16_t *hidden, const uint16_t *addend, const uint16_t *weight, uint16_t *out, int64_t rows,
                   int64_t width, float eps) {
+    float squares[16384];
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *h = hidden + r * width;
         uint16_t *o = out + r * width;
@@ -27,13 +71,11 @@ void add_rms_norm(uint16_t *hidden, const uint16_t *addend, const uint16_t *weig
             const uint16_t *a = addend + r * width;
             for (int64_t i = 0; i < width; i++) h[i] = float_to_bf16(bf16_to_float(h[i]) + bf16_to_float(a[i]));
         }
-        float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
         for (int64_t i = 0; i < width; i++) {
             float x = bf16_to_float(h[i]);
-            squares += x * x;
+            squares[i] = x * x;
         }
-        float scale = 1.f / sqrtf(squares / (float)width + eps);
+        float scale = 1.f / sqrtf(torch_order_sum(squares, width) / (float)width + eps);
         for (int64_t i = 0; i < width; i++)
             o[i] = float_to_bf16(bf16_to_float(weight[i]) * bf16_to_float(float_to_bf16(bf16_to_float(h[i]) * scale)));
     }

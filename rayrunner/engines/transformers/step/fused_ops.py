@@ -5,8 +5,8 @@ dispatch whatever its size: a residual add and an RMSNorm alone are nine of them
 prefill passes over its large activations once per operation. vLLM's CPU backend fuses these in C++ kernels of its
 own; PyTorch has none (its `F.rms_norm` is the same operations composed, and inductor's compiled code costs more per
 call than it saves at a few rows: docs/performance.md, "Fused operations"). Each function here is one call where the
-step made several, rounding every intermediate to bf16 where PyTorch's operations do: `add_rms_norm` (its output
-transformers' to within the order of one float32 sum) and `rope`. (SiLU times the up projection was fused too, bit
+step made several, computing what PyTorch's operations compute to the bit (every intermediate rounded to bf16 where
+they round it, sums added in their order): `add_rms_norm` and `rope`. (SiLU times the up projection was fused too, bit
 for bit, and left out: slower than PyTorch's from 16 rows, its exponential costing more than the calls it saved.)
 
 The C file is built with the system's C compiler (`$CC`, else `cc` or `gcc`) for this CPU (`-march=native`), once
@@ -40,6 +40,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", 
          # gcc vectorizes for 256-bit registers on Intel unless told: 512 made RoPE 1.8x faster at 1,860 rows there
          *(("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()))
 _BUILD_TIMEOUT_S = 120.0
+MAX_WIDTH = 16384  # the widest row `add_rms_norm` takes (its C buffer)
 
 
 def compiler() -> str | None:
@@ -117,7 +118,7 @@ def add_rms_norm(hidden: torch.Tensor, addend: torch.Tensor | None, weight: torc
         if addend.shape != hidden.shape or addend.dtype != hidden.dtype:
             raise ValueError(f"addend {tuple(addend.shape)} {addend.dtype} does not match {tuple(hidden.shape)}")
     weight = weight.contiguous()
-    if weight.shape != (width,) or weight.dtype != hidden.dtype:
+    if weight.shape != (width,) or weight.dtype != hidden.dtype or width > MAX_WIDTH:
         raise ValueError(f"norm weight {tuple(weight.shape)} {weight.dtype} does not fit rows of {width}")
     out = torch.empty_like(hidden)
     lib.add_rms_norm(hidden.data_ptr(), None if addend is None else addend.data_ptr(), weight.data_ptr(),
