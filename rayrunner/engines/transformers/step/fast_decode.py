@@ -21,9 +21,10 @@ the operations around it:
   would cost more than it saves; on a CPU without a native bf16 GEMM (`cpu_gemm`) always in float32. On a CPU with
   AMX tiles, PyTorch's flash SDPA (grouped heads, its blocks multiplied on the tiles) is faster and takes it.
 
-Prefill (images included), LoRA adapters (peft replaces the Linears), and other architectures keep transformers'
-forward: `FastDecode.for_model` says None for a model whose decoder layers it does not cover. What this step gains,
-and what was tried and left out, is in docs/performance.md ("Decode").
+Whole text prompts are prefilled through it too (`prefill`, and `PromptChunk`s beside a step), each on a cache of
+its own; images, chunks of long prompts, LoRA adapters (peft replaces the Linears), and other architectures keep
+transformers' forward: `FastDecode.for_model` says None for a model whose decoder layers it does not cover. What
+this step gains, and what was tried and left out, is in docs/performance.md ("Decode", "Fused operations").
 """
 
 from __future__ import annotations
