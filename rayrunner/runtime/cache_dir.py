@@ -1,5 +1,5 @@
 """Where rayrunner keeps on each node what it can rebuild: converted builtin models, quantized models, parked
-weights."""
+weights, the fast decode step's fused operations built for the node's CPU (`kernels/`)."""
 
 from __future__ import annotations
 
