@@ -35,7 +35,7 @@ class _Norm(torch.nn.Module):
 @needs_compiler
 # widths: SmolLM2's 576; ones past PyTorch's 4-level summing cascade (4,096, 8,200 with a scalar tail); odd ones
 @pytest.mark.parametrize("rows, width", [(1, 64), (16, 576), (3000, 576), (3, 960), (2, 100), (40, 4096),
-                                         (20, 8200)])
+                                         (20, 8200), (2, 20000)])
 @pytest.mark.parametrize("with_addend", [True, False], ids=["add-and-norm", "norm"])
 def test_add_rms_norm_rounds_as_pytorchs_operations(rows: int, width: int, with_addend: bool) -> None:
     assert fused_ops.library() is not None  # a compiler is here: the build must work

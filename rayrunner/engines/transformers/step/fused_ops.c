@@ -2,6 +2,7 @@
    PyTorch operations it replaces round: every intermediate bf16 tensor of those is rounded here too. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 static inline float bf16_to_float(uint16_t x) {
     union { uint32_t u; float f; } v;
@@ -58,12 +59,13 @@ static float torch_order_sum(const float *x, int64_t n) {
     return total;
 }
 
-/* For each of `rows` rows of `width` (at most 16,384): hidden += addend (rounded to bf16; skipped when addend is
-   NULL), then out = weight * bf16(hidden * rsqrt(mean(hidden^2) + eps)), transformers' LlamaRMSNorm in float32, the
-   mean summed in PyTorch's order (`torch_order_sum`). */
-void add_rms_norm(uint16_t *hidden, const uint16_t *addend, const uint16_t *weight, uint16_t *out, int64_t rows,
-                  int64_t width, float eps) {
-    float squares[16384];
+/* For each of `rows` rows of `width`: hidden += addend (rounded to bf16; skipped when addend is NULL), then
+   out = weight * bf16(hidden * rsqrt(mean(hidden^2) + eps)), transformers' LlamaRMSNorm in float32, the mean summed
+   in PyTorch's order (`torch_order_sum`). Returns 0, or -1 when its scratch row cannot be allocated. */
+int add_rms_norm(uint16_t *hidden, const uint16_t *addend, const uint16_t *weight, uint16_t *out, int64_t rows,
+                 int64_t width, float eps) {
+    float *squares = malloc(sizeof(float) * (size_t)width);
+    if (!squares) return -1;
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *h = hidden + r * width;
         uint16_t *o = out + r * width;
@@ -79,6 +81,8 @@ void add_rms_norm(uint16_t *hidden, const uint16_t *addend, const uint16_t *weig
         for (int64_t i = 0; i < width; i++)
             o[i] = float_to_bf16(bf16_to_float(weight[i]) * bf16_to_float(float_to_bf16(bf16_to_float(h[i]) * scale)));
     }
+    free(squares);
+    return 0;
 }
 
 /* RoPE on the first `heads` heads (of `dim`) of each of `rows` rows of `x` (a row every `row_stride` elements):
