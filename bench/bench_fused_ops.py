@@ -16,7 +16,8 @@ import argparse
 import asyncio
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,6 +26,18 @@ from cpu_kind import cpu_line
 from profile_step import sequences, timed
 
 from rayrunner.engines.transformers.step import fast_decode, fused_ops
+
+
+@contextmanager
+def fused_or_not(fused: bool) -> Iterator[None]:
+    """The fast step with its fused operations (`fused`), or with PyTorch's operations, within the block."""
+    built = fused_ops.applies
+    if not fused:
+        fused_ops.applies = lambda hidden: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        fused_ops.applies = built  # type: ignore[assignment]
 
 
 def step_ms(model: Any, rows: int, context: int, steps: int, rounds: int) -> dict[bool, float]:
@@ -38,15 +51,11 @@ def step_ms(model: Any, rows: int, context: int, steps: int, rounds: int) -> dic
     while scheduler.stats()["waiting"] or scheduler.stats()["running"] < rows:
         scheduler.step()
     timed(scheduler, 10)
-    built = fused_ops.applies
     times: dict[bool, list[float]] = {True: [], False: []}
-    try:
-        for _ in range(rounds):
-            for fused in (True, False):
-                fused_ops.applies = built if fused else (lambda hidden: False)  # type: ignore[assignment]
+    for _ in range(rounds):
+        for fused in (True, False):
+            with fused_or_not(fused):
                 times[fused].append(timed(scheduler, steps))
-    finally:
-        fused_ops.applies = built  # type: ignore[assignment]
     return {fused: statistics.median(ms) for fused, ms in times.items()}
 
 
@@ -64,17 +73,13 @@ def prefill_ms(model: Any, prompts: int, tokens: int, rounds: int) -> dict[bool,
                                         BatchCache(new_cache(model.config), torch.zeros((1, 0), dtype=torch.long)),
                                         heads) for i in range(prompts)]
 
-    built = fused_ops.applies
     times: dict[bool, list[float]] = {True: [], False: []}
-    try:
-        for _ in range(rounds + 1):  # the first round warms up
-            for fused in (True, False):
-                fused_ops.applies = built if fused else (lambda hidden: False)  # type: ignore[assignment]
+    for _ in range(rounds + 1):  # the first round warms up
+        for fused in (True, False):
+            with fused_or_not(fused):
                 started = time.perf_counter()
                 fast.prefill(chunks())
                 times[fused].append((time.perf_counter() - started) * 1000)
-    finally:
-        fused_ops.applies = built  # type: ignore[assignment]
     return {fused: statistics.median(ms[1:]) for fused, ms in times.items()}
 
 

@@ -70,6 +70,13 @@ def recurrent(config: object) -> bool:
     return bool(set(_layer_types(config)) - ATTENTION_LAYERS - {"dummy"})
 
 
+def merged(caches: list[BatchCache]) -> BatchCache:
+    """The first of `caches` with the others' rows appended (`BatchCache.merge`), in order."""
+    for cache in caches[1:]:
+        caches[0].merge(cache)
+    return caches[0]
+
+
 def layer_windows(config: Any) -> list[int | None]:
     """Each layer's sliding window (None: it attends to every cached position)."""
     window = getattr(config.get_text_config(decoder=True), "sliding_window", None)

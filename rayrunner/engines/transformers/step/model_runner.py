@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rayrunner.engines.lora import LoraAdapters
-from rayrunner.engines.transformers.kv.kv_batch import BatchCache, new_cache
+from rayrunner.engines.transformers.kv.kv_batch import BatchCache, merged, new_cache
 from rayrunner.engines.transformers.kv.kv_budget import BatchShape
 from rayrunner.engines.transformers.kv.kv_memory import KvMemory, cache_bytes
 from rayrunner.engines.transformers.kv.prefix_cache import BLOCK, LayerKV, cache_of
@@ -88,9 +88,7 @@ class ModelRunner:
             caches = [self.prompt_cache(s, 0) for s in group]
             logits = self.prefill_aside([(s, 0, len(s.prefill_ids), cache) for s, cache in zip(group, caches,
                                                                                                 strict=True)])
-            for cache in caches[1:]:
-                caches[0].merge(cache)
-            return logits, caches[0]
+            return logits, merged(caches)
         length = max(len(s.prefill_ids) for s in group)
         ids = torch.full((len(group), length), 0, dtype=torch.long, device=self.device)
         mask = torch.zeros((len(group), length), dtype=torch.long, device=self.device)

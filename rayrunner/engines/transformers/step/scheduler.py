@@ -43,7 +43,14 @@ import torch
 
 from rayrunner.engines.detokenizer import Detokenizer
 from rayrunner.engines.lora import LoraAdapters
-from rayrunner.engines.transformers.kv.kv_batch import BatchCache, compacted_rows, mergeable, plain_attention, recurrent
+from rayrunner.engines.transformers.kv.kv_batch import (
+    BatchCache,
+    compacted_rows,
+    mergeable,
+    merged,
+    plain_attention,
+    recurrent,
+)
 from rayrunner.engines.transformers.kv.kv_memory import KvMemory
 from rayrunner.engines.transformers.step.admission import Admission
 from rayrunner.engines.transformers.step.compute_thread import ComputeThread
@@ -452,9 +459,7 @@ class StepScheduler:
 
     def _joined(self, sequences: list[Sequence], logits: torch.Tensor, caches: list[BatchCache]) -> None:
         """Prompts fully fed (beside a decode step, or aside) start: their caches merged into the first."""
-        for cache in caches[1:]:
-            caches[0].merge(cache)
-        self._started(sequences, logits, caches[0])
+        self._started(sequences, logits, merged(caches))
 
     # ------------------------------------------------------------ decode and the KV moves
 
