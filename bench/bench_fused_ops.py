@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -92,8 +93,10 @@ def per_call_us(fn: Callable[[], Any], calls: int = 2000) -> float:
     return (time.perf_counter() - started) / calls * 1e6
 
 
-def operations(rows: int, model: Any) -> list[tuple[str, float, float]]:
-    """(operation, us a call fused, us a call with PyTorch's operations) at `rows` rows of the model's shapes."""
+def operations(rows: int, model: Any, context: int) -> list[tuple[str, float, float]]:
+    """(operation, us a call fused, us a call with PyTorch's operations) at `rows` rows of the model's shapes; the
+    decode attention (against the flash SDPA it replaces) over `context` positions, the layers' caches cycled so
+    that each call reads its keys and values from memory, as a step does."""
     config = model.config
     width, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     dim = width // heads
@@ -107,13 +110,31 @@ def operations(rows: int, model: Any) -> list[tuple[str, float, float]]:
         hidden.add_(addend)
         return fast_decode._rms_norm(norm, hidden)
 
-    return [
+    timed = [
         ("residual add + RMSNorm", per_call_us(lambda: fused_ops.add_rms_norm(hidden, addend, norm.weight,
                                                                              norm.variance_epsilon)),
          per_call_us(add_norm_eager)),
         ("RoPE (query and key heads)", per_call_us(lambda: fused_ops.rope(qkv, heads + kv_heads, cos, sin)),
          per_call_us(lambda: fast_decode._rope(qkv, heads + kv_heads, cos, sin, fused=False))),
     ]
+    if rows > 64 or not fused_ops.attends(hidden, heads // kv_heads, dim):
+        return timed
+    query = qkv[:, :heads].view(rows, kv_heads, heads // kv_heads, dim)
+    rooms = [torch.randn(2, rows, kv_heads, context + 20, dim).to(torch.bfloat16)
+             for _ in range(config.num_hidden_layers)]
+    bias = torch.zeros(rows, 1, 1, context)
+    layers = itertools.cycle(rooms)
+
+    def attend(kernel: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            room = next(layers)
+            return kernel(query, room[0, :, :, :context], room[1, :, :, :context], bias, dim ** -0.5)
+        return call
+
+    timed.append((f"decode attention over {context} positions (flash SDPA)",
+                  per_call_us(attend(fused_ops.decode_attention), calls=600),
+                  per_call_us(attend(fast_decode._flash_attention), calls=600)))
+    return timed
 
 
 @torch.inference_mode()
@@ -143,7 +164,7 @@ def main() -> None:
           f"{ms[True] / ms[False]:.2f}x |")
     print("\n| operation | rows | fused us a call | PyTorch's ops us a call |\n|---|---|---|---|")
     for rows in (*args.rows, 1860):
-        for name, fused, eager in operations(rows, model):
+        for name, fused, eager in operations(rows, model, args.context):
             print(f"| {name} | {rows} | {fused:.1f} | {eager:.1f} |")
 
 

@@ -137,10 +137,10 @@ class FastDecode:
         biases: dict[int | None, torch.Tensor] = {}  # by window: the same for every layer of one kind
         width = hidden.shape[0]
         kernel = hidden.dtype == torch.bfloat16 and width <= KERNEL_MAX_ROWS
-        flash = hidden.device.type == "cpu" and amx_tiles()  # decode attention through SDPA (module docstring)
-        attention = _flash_attention if flash else _grouped_attention
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         fused = fused_ops.applies(hidden)  # residual adds and norms in one call each (module docstring)
+        attention = _decode_attention(hidden, heads // kv_heads, dim)
+        sliced = attention is not _grouped_attention  # reading only the cached positions of the room
         normed = _add_norm(self.layers[0].input_norm, hidden, None, fused)
         for index, layer in enumerate(self.layers):
             qkv = _projections(layer.attention, QKV, normed, kernel)
@@ -153,7 +153,7 @@ class FastDecode:
             if rows_cache is not None:
                 batch, mask = rows_cache
                 keys, values = batch.append(index, both[:rows, heads:, None], qkv[:rows, heads + kv_heads:, None])
-                if flash:  # SDPA reads strided keys and values: only the cached positions
+                if sliced:  # strided keys and values: only the cached positions
                     keys, values = keys[:, :, : mask.shape[1]], values[:, :, : mask.shape[1]]
                 window = self.windows[index]
                 bias = biases.get(window)
@@ -292,6 +292,14 @@ def _attention_bias(mask: torch.Tensor, capacity: int, window: int | None = None
     if window is not None:
         bias[:, : max(mask.shape[1] - window, 0)] = float("-inf")
     return bias[:, None, None]
+
+
+def _decode_attention(hidden: torch.Tensor, group: int, head_dim: int) -> Any:
+    """The attention for decode rows of `hidden`'s kind (`group` query heads a KV head of `head_dim`): the fused
+    kernel where it takes them, PyTorch's flash SDPA on other CPUs with AMX tiles, else `_grouped_attention`."""
+    if fused_ops.attends(hidden, group, head_dim):
+        return fused_ops.decode_attention
+    return _flash_attention if hidden.device.type == "cpu" and amx_tiles() else _grouped_attention
 
 
 def _flash_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,

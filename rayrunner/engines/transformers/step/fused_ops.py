@@ -9,6 +9,13 @@ step made several, computing what PyTorch's operations compute to the bit (every
 they round it, sums added in their order): `add_rms_norm` and `rope`. (SiLU times the up projection was fused too, bit
 for bit, and left out: slower than PyTorch's from 16 rows, its exponential costing more than the calls it saved.)
 
+`decode_attention`, on CPUs with AVX-512 BF16, is a decode step's attention (one new position a row) in one call: the
+scores by the CPU's bf16 dot-product instruction, 16 positions summed at once, the softmax in float32, the values
+weighed in float32 registers and rounded to bf16 once, each head's values fetched into cache while its keys are
+scored. PyTorch's flash SDPA runs the same at a few rows as blocked matmuls sized for prompts, at about half the
+memory's speed (docs/performance.md, "Decode attention"). It is not PyTorch's rounding: nearer float32's (it keeps the
+weights in float32, SDPA rounds them to bf16).
+
 The C file is built with the system's C compiler (`$CC`, else `cc` or `gcc`) for this CPU (`-march=native`), once
 per source and CPU, into rayrunner's cache (`cache_dir() / "kernels"`); a process that finds it built
 loads it in milliseconds. Without a compiler, or where the build fails, `library()` is None and the step keeps
@@ -36,10 +43,12 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
 SWITCH_ENV = "RAYRUNNER_FUSED_OPS"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC",
+# -fopenmp links libgomp, which resolves to the one PyTorch has loaded (same soname): one pool of threads
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC",
          # gcc vectorizes for 256-bit registers on Intel unless told: 512 made RoPE 1.8x faster at 1,860 rows there
          *(("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()))
 _BUILD_TIMEOUT_S = 120.0
+ATTENTION_HEAD_DIMS, ATTENTION_MAX_GROUP = (64, 128), 16  # what `decode_attention` is built for
 
 
 def compiler() -> str | None:
@@ -69,6 +78,11 @@ def library() -> ctypes.CDLL | None:
     lib.add_rms_norm.restype = ctypes.c_int
     lib.rope.argtypes = [pointer, i64, pointer, pointer, pointer, i64, i64, i64]
     lib.rope.restype = None
+    lib.has_decode_attention.argtypes = []
+    lib.has_decode_attention.restype = ctypes.c_int
+    lib.decode_attention.argtypes = [pointer, i64, pointer, pointer, i64, i64, pointer, i64, pointer, i64, i64, i64,
+                                     i64, ctypes.c_float, ctypes.c_int]
+    lib.decode_attention.restype = ctypes.c_int
     return lib
 
 
@@ -140,6 +154,40 @@ def rope(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> t
             raise ValueError(f"RoPE table {tuple(table.shape)} {table.dtype} does not fit {(rows, 1, dim)}")
     out = torch.empty((rows, heads, dim), dtype=x.dtype)
     lib.rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows, heads, dim)
+    return out
+
+
+def attends(hidden: torch.Tensor, group: int, head_dim: int) -> bool:
+    """Whether `decode_attention` takes queries of `hidden`'s kind, `group` query heads a KV head of `head_dim`:
+    bf16 on the CPU, the library built for a CPU with AVX-512 BF16, heads of 64 or 128, groups of up to 16."""
+    lib = library() if applies(hidden) else None
+    return (lib is not None and bool(lib.has_decode_attention()) and head_dim in ATTENTION_HEAD_DIMS
+            and 1 <= group <= ATTENTION_MAX_GROUP)
+
+
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of one new position per row: `query` [rows, kv_heads, group, head_dim] (rows may be strided) over
+    `keys` and `values` [rows, kv_heads, positions, head_dim] (views of the cache's room, strided alike), with the
+    additive float32 `bias` [rows, 1, 1, positions] (-inf where not attended); [rows, kv_heads, group, head_dim].
+    Takes what `attends` says."""
+    lib = _ready(query)
+    rows, kv_heads, group, dim = query.shape
+    positions = keys.shape[2]
+    if not attends(query, group, dim) or query.stride()[1:] != (group * dim, dim, 1):
+        raise ValueError(f"query {tuple(query.shape)} strided {query.stride()}: heads of 64 or 128, contiguous rows")
+    if (keys.shape != (rows, kv_heads, positions, dim) or values.shape != keys.shape
+            or keys.stride() != values.stride() or keys.stride()[2:] != (dim, 1)):
+        raise ValueError(f"keys {tuple(keys.shape)} {keys.stride()} and values {tuple(values.shape)} "
+                         f"{values.stride()} do not fit the query {tuple(query.shape)}")
+    if bias.shape != (rows, 1, 1, positions) or bias.dtype != torch.float32 or not bias.is_contiguous():
+        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype}: float32 [{rows}, 1, 1, {positions}], contiguous")
+    out = torch.empty((rows, kv_heads, group, dim), dtype=query.dtype)
+    status = lib.decode_attention(query.data_ptr(), query.stride(0), keys.data_ptr(), values.data_ptr(),
+                                  keys.stride(0), keys.stride(1), bias.data_ptr(), positions, out.data_ptr(), rows,
+                                  kv_heads, group, dim, scale, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"no memory for the scores of {group} heads over {positions} positions")
     return out
 
 
