@@ -1,4 +1,5 @@
-"""bf16 Linears whose weights are prepacked once for oneDNN, on CPUs with a native bf16 GEMM (AVX-512 BF16, AMX).
+"""bf16 Linears whose weights are prepacked once, on CPUs with a native bf16 GEMM (AVX-512 BF16, AMX): for
+rayrunner's own kernel on AMX tiles where it is built (`tile_weights`), else for oneDNN.
 
 PyTorch's `F.linear` on a plain bf16 weight lets oneDNN (or its own kernel) read the weight in its stored layout on
 every call; reordered once into the blocked layout oneDNN's kernels want (`torch.ops.mkldnn._reorder_linear_weight`,
@@ -6,7 +7,7 @@ what inductor does when it freezes weights, and what vLLM's CPU backend does wit
 skips that work. Figures are in docs/performance.md ("A 16-row decode step, profiled"); the gain is largest for the
 few rows of a decode step and nil for a prompt's hundreds.
 
-The packed weight is an opaque oneDNN tensor: no storage to map, save or view. So it replaces the plain weight only
+A weight packed for oneDNN is an opaque tensor: no storage to map, save or view. So it replaces the plain weight only
 while the model serves; `unpack_linears` gives every packed Linear its plain weight back (before a sleep parks the
 weights, and before peft wraps Linears with LoRA adapters), `pack_linears` packs them (at load, and after a wake;
 `ParkedWeights` does both).
@@ -30,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rayrunner.quantization import tile_weights
 from rayrunner.quantization.cpu_gemm import native_half_gemm, plain_cpu_weight
+from rayrunner.quantization.tile_weights import TileWeight
 
 BATCH_HINT = 16  # rows oneDNN chooses the packed layout for: a decode step's batch (any row count works)
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # Linears of one module reading one input
@@ -45,6 +48,28 @@ def packing_pays() -> bool:
         return False
 
 
+class OneDnnWeight:
+    """A weight [n, k] reordered once for oneDNN's bf16 matmul (an opaque tensor); `multiply` is `F.linear` with
+    it."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.n, self.k = weight.shape
+        self.data = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def multiply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+
+    def dense(self) -> torch.Tensor:
+        return self.data.to_dense().reshape(self.n, self.k)
+
+
+PackedWeight = TileWeight | OneDnnWeight
+
+
 class FusedPack:
     """One packed weight for Linears that read the same input, their output rows side by side (`project`).
     `output_of` serves them one at a time as transformers' forward calls them: the first call on an input projects
@@ -53,7 +78,7 @@ class FusedPack:
     def __init__(self, linears: list[nn.Linear]) -> None:
         weights = [linear.weight.detach() for linear in linears]
         with torch.inference_mode(False):
-            self.packed = _reorder(torch.cat(weights))
+            self.packed = _pack(torch.cat(weights))
             self.bias = None if linears[0].bias is None else torch.cat([linear.bias.detach() for linear in linears])
         ends = list(itertools.accumulate(weight.shape[0] for weight in weights))
         self.bounds = list(zip([0, *ends[:-1]], ends, strict=True))
@@ -63,7 +88,7 @@ class FusedPack:
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """All the Linears' outputs on `x`, side by side."""
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self.packed.multiply(x, self.bias)
 
     def output_of(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Linear `index`'s output on `x` (the same tensor object for all of them: an input changed in place between
@@ -87,7 +112,7 @@ class FusedPack:
     @functools.cached_property
     def _dense(self) -> torch.Tensor:
         """The shared weight unpacked, once for all its Linears (it goes with this pack once they all unpacked)."""
-        return self.packed.to_dense().reshape(self.bounds[-1][1], -1)
+        return self.packed.dense()
 
 
 class PackedLinear(nn.Linear):
@@ -95,7 +120,7 @@ class PackedLinear(nn.Linear):
     shares with its siblings) is set (see the module docstring); `weight` is then None unless another module shares
     it."""
 
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
     fused: FusedPack | None = None
     fused_index = 0
 
@@ -105,7 +130,7 @@ class PackedLinear(nn.Linear):
         packed = self.packed
         if packed is None:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        return packed.multiply(x, self.bias)
 
     @property
     def is_packed(self) -> bool:
@@ -114,7 +139,7 @@ class PackedLinear(nn.Linear):
     def pack(self, shared: bool) -> None:
         """Pack the plain weight; drop it unless `shared` (another module reads it)."""
         with torch.inference_mode(False):
-            self.packed = _reorder(self.weight.detach())
+            self.packed = _pack(self.weight.detach())
         if not shared:
             self._parameters["weight"] = None
 
@@ -132,7 +157,7 @@ class PackedLinear(nn.Linear):
             return
         if self._parameters.get("weight") is None:
             with torch.inference_mode(False):
-                plain = self.packed.to_dense().reshape(self.out_features, self.in_features)
+                plain = self.packed.dense()
             self._parameters["weight"] = nn.Parameter(plain, requires_grad=False)
         self.packed = None
 
@@ -191,10 +216,10 @@ def unpack_linears(model: nn.Module) -> int:
 
 def packed_bytes(model: nn.Module) -> int:
     """Bytes held by the packed weights of `model` (not counted by its state dict), a shared one counted once."""
-    tensors = {id(tensor): tensor for linear in _packed_linears(model)
-               for tensor in (linear.packed, None if linear.fused is None else linear.fused.packed)
-               if tensor is not None}
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+    weights = {id(weight): weight for linear in _packed_linears(model)
+               for weight in (linear.packed, None if linear.fused is None else linear.fused.packed)
+               if weight is not None}
+    return sum(weight.nbytes for weight in weights.values())
 
 
 def _packed_linears(model: nn.Module) -> Iterator[PackedLinear]:
@@ -207,8 +232,9 @@ def _fusable(linears: list[Any]) -> bool:
             and len({linear.bias is None for linear in linears}) == 1)
 
 
-def _reorder(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+def _pack(weight: torch.Tensor) -> PackedWeight:
+    """`weight` packed for the tiles where it can be (`tile_weights`), else for oneDNN."""
+    return TileWeight(weight) if tile_weights.packs(weight) else OneDnnWeight(weight)
 
 
 def _shared_weights(model: nn.Module) -> set[int]:

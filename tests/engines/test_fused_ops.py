@@ -12,9 +12,10 @@ import torch
 
 from rayrunner.engines.transformers.step import fast_decode, fused_ops
 from rayrunner.engines.transformers.step.fast_decode import FastDecode
+from rayrunner.runtime import native_build
 from tests.engines.test_fast_decode import _decode, _model, _relative
 
-needs_compiler = pytest.mark.skipif(fused_ops.compiler() is None, reason="no C compiler on this machine")
+needs_compiler = pytest.mark.skipif(native_build.compiler() is None, reason="no C compiler on this machine")
 
 
 @pytest.fixture
@@ -131,7 +132,7 @@ def test_a_bf16_step_with_fused_operations_decodes_as_without(tiny_llama_dir: st
 
 
 needs_attention = pytest.mark.skipif(
-    fused_ops.compiler() is None or not fused_ops.attends(torch.zeros(1, dtype=torch.bfloat16), 1, 64),
+    native_build.compiler() is None or not fused_ops.attends(torch.zeros(1, dtype=torch.bfloat16), 1, 64),
     reason="the fused decode attention needs a C compiler and a CPU with AVX-512 BF16")
 
 

@@ -16,44 +16,24 @@ scored. PyTorch's flash SDPA runs the same at a few rows as blocked matmuls size
 memory's speed (docs/performance.md, "Decode attention"). It is not PyTorch's rounding: nearer float32's (it keeps the
 weights in float32, SDPA rounds them to bf16).
 
-The C file is built with the system's C compiler (`$CC`, else `cc` or `gcc`) for this CPU (`-march=native`), once
-per source and CPU, into rayrunner's cache (`cache_dir() / "kernels"`); a process that finds it built
-loads it in milliseconds. Without a compiler, or where the build fails, `library()` is None and the step keeps
-PyTorch's operations (logged once). `RAYRUNNER_FUSED_OPS=0` turns the fused path off.
+The C file is built for the node's CPU at first use (`native_build`). Without a compiler, or where the build fails,
+`library()` is None and the step keeps PyTorch's operations. `RAYRUNNER_FUSED_OPS=0` turns the fused path off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from rayrunner.runtime.cache_dir import cache_dir
-
-logger = logging.getLogger(__name__)
+from rayrunner.runtime import native_build
 
 SOURCE = Path(__file__).with_suffix(".c")
 SWITCH_ENV = "RAYRUNNER_FUSED_OPS"
-# -fopenmp links libgomp, which resolves to the one PyTorch has loaded (same soname): one pool of threads
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC",
-         # gcc vectorizes for 256-bit registers on Intel unless told: 512 made RoPE 1.8x faster at 1,860 rows there
-         *(("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()))
-_BUILD_TIMEOUT_S = 120.0
 ATTENTION_HEAD_DIMS, ATTENTION_MAX_GROUP = (64, 128), 16  # what `decode_attention` is built for
-
-
-def compiler() -> str | None:
-    """The C compiler to build with: `$CC`, else `cc` or `gcc` on the PATH."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 @functools.cache
@@ -61,17 +41,8 @@ def library() -> ctypes.CDLL | None:
     """The fused operations, built if needed and loaded; None when switched off or not buildable here."""
     if os.environ.get(SWITCH_ENV, "1").strip() == "0":
         return None
-    path = _target()
-    try:
-        if not path.exists():
-            cc = compiler()
-            if cc is None:
-                logger.info("no C compiler ($CC, cc, gcc): the fast decode step keeps PyTorch's operations")
-                return None
-            _build(cc, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("building %s failed (%s): the fast decode step keeps PyTorch's operations", SOURCE.name, exc)
+    lib = native_build.load(SOURCE)
+    if lib is None:
         return None
     i64, pointer = ctypes.c_int64, ctypes.c_void_p
     lib.add_rms_norm.argtypes = [pointer, pointer, pointer, pointer, i64, i64, ctypes.c_float]
@@ -84,34 +55,6 @@ def library() -> ctypes.CDLL | None:
                                      i64, ctypes.c_float, ctypes.c_int]
     lib.decode_attention.restype = ctypes.c_int
     return lib
-
-
-def _target() -> Path:
-    """Where the library of this source, built for this CPU, lies in the cache."""
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), _cpu_flags(), " ".join(FLAGS).encode()])).hexdigest()
-    return cache_dir() / "kernels" / f"fused_ops-{key[:16]}.so"
-
-
-def _build(cc: str, target: Path) -> None:
-    """Compile the source into `target`: under a temporary name, then moved into place, so that replicas starting
-    together each build and none loads half a file."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        subprocess.run([cc, *FLAGS, "-o", str(built), str(SOURCE)], check=True, capture_output=True,
-                       timeout=_BUILD_TIMEOUT_S)
-        os.replace(built, target)
-    logger.info("built %s for this CPU: %s", SOURCE.name, target)
-
-
-def _cpu_flags() -> bytes:
-    """The CPU's feature flags (what `-march=native` builds for), so that a cache shared by nodes of other CPUs
-    holds one build each."""
-    try:
-        with open("/proc/cpuinfo", "rb") as info:
-            return next((line for line in info if line.startswith(b"flags")), b"")
-    except OSError:
-        return os.uname().machine.encode()
 
 
 def applies(hidden: torch.Tensor) -> bool:
