@@ -106,6 +106,13 @@ def operations(rows: int, model: Any, context: int) -> list[tuple[str, float, fl
     qkv = torch.randn(rows, heads + 2 * kv_heads, dim).to(torch.bfloat16)
     cos, sin = torch.randn(rows, 1, dim).to(torch.bfloat16), torch.randn(rows, 1, dim).to(torch.bfloat16)
 
+    intermediate = config.intermediate_size
+    gate_up = torch.randn(rows, 2 * intermediate).to(torch.bfloat16)
+
+    def silu_mul_eager() -> torch.Tensor:
+        gate, up = gate_up.split(intermediate, dim=-1)
+        return torch.nn.functional.silu(gate).mul_(up)
+
     def add_norm_eager() -> torch.Tensor:
         hidden.add_(addend)
         return fast_decode._rms_norm(norm, hidden)
@@ -116,6 +123,8 @@ def operations(rows: int, model: Any, context: int) -> list[tuple[str, float, fl
          per_call_us(add_norm_eager)),
         ("RoPE (query and key heads)", per_call_us(lambda: fused_ops.rope(qkv, heads + kv_heads, cos, sin)),
          per_call_us(lambda: fast_decode._rope(qkv, heads + kv_heads, cos, sin, fused=False))),
+        ("SiLU(gate) * up", per_call_us(lambda: fused_ops.silu_mul(gate_up, intermediate)),
+         per_call_us(lambda: silu_mul_eager())),
     ]
     if rows > 64 or not fused_ops.attends(hidden, heads // kv_heads, dim):
         return timed

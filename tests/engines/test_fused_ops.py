@@ -74,6 +74,22 @@ def test_rope_rounds_as_pytorchs_operations(rows: int, qk_norms: bool) -> None:
 
 
 @needs_compiler
+@pytest.mark.parametrize("width", [1024, 1000], ids=["vectors", "a scalar tail"])
+def test_silu_mul_rounds_as_pytorchs_operations_on_every_bf16_gate(width: int) -> None:
+    gates = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # every bf16 value
+    gate = gates[: 64 * width].reshape(64, width)
+    torch.manual_seed(width)
+    up = (torch.randn(64, width) * 3).to(torch.bfloat16)
+    gate_up = torch.cat([torch.zeros(64, 8, dtype=torch.bfloat16), gate, up], dim=1)[:, 8:]  # rows strided
+    with torch.inference_mode():
+        got = fused_ops.silu_mul(gate_up, width)
+        want = torch.nn.functional.silu(gate).mul_(up)
+    same = got.view(torch.int16) == want.view(torch.int16)
+    both_nan = torch.isnan(got.float()) & torch.isnan(want.float())
+    assert bool((same | both_nan).all())  # subnormals and infinities included
+
+
+@needs_compiler
 def test_mismatched_tensors_are_refused_before_any_work() -> None:
     hidden = torch.zeros(2, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="addend"):
@@ -84,6 +100,8 @@ def test_mismatched_tensors_are_refused_before_any_work() -> None:
     with pytest.raises(ValueError, match="RoPE table"):
         fused_ops.rope(torch.zeros(2, 4, 8, dtype=torch.bfloat16), 3, torch.zeros(2, 1, 4, dtype=torch.bfloat16),
                        torch.zeros(2, 1, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="gate and up"):
+        fused_ops.silu_mul(torch.zeros(2, 10, dtype=torch.bfloat16), 4)
     with pytest.raises(ValueError, match="rotating"):
         fused_ops.rope(torch.zeros(2, 4, 8, dtype=torch.bfloat16), 5, torch.zeros(2, 1, 8, dtype=torch.bfloat16),
                        torch.zeros(2, 1, 8, dtype=torch.bfloat16))

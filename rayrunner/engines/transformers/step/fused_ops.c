@@ -109,6 +109,96 @@ void rope(const uint16_t *x, int64_t row_stride, const uint16_t *cos, const uint
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
+/* `float_to_bf16` on 16 lanes (in the low half of each 32-bit lane): subnormals kept, as PyTorch keeps them (the
+   CPU's own bf16 conversion flushes them to zero). */
+static inline __m512i bf16_bits16(__m512 f) {
+    __m512i bits = _mm512_castps_si512(f);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
+}
+
+/* `sleef_expf` on 16 lanes. */
+static inline __m512 sleef_expf16(__m512 d) {
+    __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(d, _mm512_set1_ps(
+                   1.442695040888963407359924681001892137426645954152985934135449406931f)),
+                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 s = _mm512_fmadd_ps(q, _mm512_set1_ps(-0.693145751953125f), d);
+    s = _mm512_fmadd_ps(q, _mm512_set1_ps(-1.428606765330187045e-06f), s);
+    __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+    u = _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+    __m512i e = _mm512_cvtps_epi32(q), half = _mm512_srai_epi32(e, 1), bias = _mm512_set1_epi32(0x7f);
+    u = _mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, bias), 23)));
+    u = _mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(e, half), bias),
+                                                                 23)));
+    u = _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.f), _CMP_LT_OQ), u);
+    return _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.f), d, _CMP_LT_OQ),
+                              _mm512_set1_ps(INFINITY));
+}
+#endif
+
+/* exp(d) as SLEEF's expf_u10 computes it (what PyTorch's vectorized float exp calls): operation for operation, the
+   multiply-adds fused, so that SiLU rounds as PyTorch's does. */
+static inline float sleef_expf(float d) {
+    float q = rintf(d * 1.442695040888963407359924681001892137426645954152985934135449406931f);
+    float s = fmaf(q, -0.693145751953125f, d);
+    s = fmaf(q, -1.428606765330187045e-06f, s);
+    float u = 0.000198527617612853646278381f;
+    u = fmaf(u, s, 0.00139304355252534151077271f);
+    u = fmaf(u, s, 0.00833336077630519866943359f);
+    u = fmaf(u, s, 0.0416664853692054748535156f);
+    u = fmaf(u, s, 0.166666671633720397949219f);
+    u = fmaf(u, s, 0.5f);
+    u = 1.0f + fmaf(s * s, u, s);
+    int32_t e = (int32_t)q, half = e >> 1;
+    union { uint32_t u; float f; } a, b;
+    a.u = (uint32_t)(half + 0x7f) << 23;
+    b.u = (uint32_t)(e - half + 0x7f) << 23;
+    u = u * a.f * b.f;
+    if (d < -104.f) u = 0.f;
+    if (d > 100.f) u = INFINITY;
+    return u;
+}
+
+/* out[r] = bf16(silu(gate[r])) * up[r], rounded to bf16, for `rows` rows whose gate is the first `width` values of
+   gate_up (a row every `row_stride`) and up the next `width`: transformers' SiLU (x / (1 + exp(-x)) in float32,
+   rounded to bf16) and the product after it, as PyTorch rounds them; rows shared among `threads` OpenMP threads
+   where they are many. */
+void silu_mul(const uint16_t *gate_up, int64_t row_stride, uint16_t *out, int64_t rows, int64_t width, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= 1 << 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * row_stride, *up = gate + width;
+        uint16_t *o = out + r * width;
+        int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        for (; i + 16 <= width; i += 16) {
+            __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + i))), 16));
+            __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(up + i))), 16));
+            __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), sleef_expf16(_mm512_sub_ps(
+                _mm512_setzero_ps(), x))));
+            __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(silu), 16));
+            _mm256_storeu_si256((__m256i *)(o + i), _mm512_cvtepi32_epi16(bf16_bits16(_mm512_mul_ps(rounded, u))));
+        }
+#endif
+        for (; i < width; i++) {
+            float x = bf16_to_float(gate[i]);
+            float silu = bf16_to_float(float_to_bf16(x / (1.0f + sleef_expf(-x))));
+            o[i] = float_to_bf16(silu * bf16_to_float(up[i]));
+        }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
 enum { MAX_DIM = 256, MAX_GROUP = 16 };
 
 int has_decode_attention(void) { return 1; }
