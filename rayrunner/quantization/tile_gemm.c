@@ -1,5 +1,7 @@
 /* bf16 matmuls on AMX tiles for weights packed by tile_weights.py (which builds and loads this file):
-   y[m, n] = x[m, k] . w[n, k]^T (+ bias), summed in float32 by the tiles and rounded to bf16 once. */
+   y[m, n] = x[m, k] . w[n, k]^T (+ bias), summed in float32 by the tiles and rounded to bf16 once. Each call loads
+   its own tile configuration in every thread it uses and releases the tiles at its end, as PyTorch's and oneDNN's
+   AMX kernels do around theirs (PyTorch's brgemm forgets its cached configuration when it releases). */
 #include <stdint.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
