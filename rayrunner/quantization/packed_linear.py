@@ -31,9 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rayrunner.quantization import tile_weights
 from rayrunner.quantization.cpu_gemm import native_half_gemm, plain_cpu_weight
-from rayrunner.quantization.tile_weights import TileWeight
+from rayrunner.quantization.tile_weights import TileWeight, packs
 
 BATCH_HINT = 16  # rows oneDNN chooses the packed layout for: a decode step's batch (any row count works)
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # Linears of one module reading one input
@@ -234,7 +233,7 @@ def _fusable(linears: list[Any]) -> bool:
 
 def _pack(weight: torch.Tensor) -> PackedWeight:
     """`weight` packed for the tiles where it can be (`tile_weights`), else for oneDNN."""
-    return TileWeight(weight) if tile_weights.packs(weight) else OneDnnWeight(weight)
+    return TileWeight(weight) if packs(weight) else OneDnnWeight(weight)
 
 
 def _shared_weights(model: nn.Module) -> set[int]:
