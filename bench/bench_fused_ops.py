@@ -26,19 +26,21 @@ from bench_decode_step import load
 from cpu_kind import cpu_line
 from profile_step import sequences, timed
 
-from rayrunner.engines.transformers.step import fast_decode, fused_ops
+from rayrunner.engines.transformers.step import decode_attention, fast_decode, fused_ops
 
 
 @contextmanager
 def fused_or_not(fused: bool) -> Iterator[None]:
-    """The fast step with its fused operations (`fused`), or with PyTorch's operations, within the block."""
-    built = fused_ops.applies
+    """The fast step with its fused operations and decode attention (`fused`), or with PyTorch's operations and
+    SDPA, within the block."""
+    built, attends = fused_ops.applies, decode_attention.attends
     if not fused:
         fused_ops.applies = lambda hidden: False  # type: ignore[assignment]
+        decode_attention.attends = lambda hidden, group, head_dim: False  # type: ignore[assignment]
     try:
         yield
     finally:
-        fused_ops.applies = built  # type: ignore[assignment]
+        fused_ops.applies, decode_attention.attends = built, attends  # type: ignore[assignment]
 
 
 def step_ms(model: Any, rows: int, context: int, steps: int, rounds: int) -> dict[bool, float]:
@@ -126,7 +128,7 @@ def operations(rows: int, model: Any, context: int) -> list[tuple[str, float, fl
         ("SiLU(gate) * up", per_call_us(lambda: fused_ops.silu_mul(gate_up, intermediate)),
          per_call_us(lambda: silu_mul_eager())),
     ]
-    if rows > 64 or not fused_ops.attends(hidden, heads // kv_heads, dim):
+    if rows > 64 or not decode_attention.attends(hidden, heads // kv_heads, dim):
         return timed
     query = qkv[:, :heads].view(rows, kv_heads, heads // kv_heads, dim)
     rooms = [torch.randn(2, rows, kv_heads, context + 20, dim).to(torch.bfloat16)
@@ -141,7 +143,7 @@ def operations(rows: int, model: Any, context: int) -> list[tuple[str, float, fl
         return call
 
     timed.append((f"decode attention over {context} positions (flash SDPA)",
-                  per_call_us(attend(fused_ops.decode_attention), calls=600),
+                  per_call_us(attend(decode_attention.decode_attention), calls=600),
                   per_call_us(attend(fast_decode._flash_attention), calls=600)))
     return timed
 

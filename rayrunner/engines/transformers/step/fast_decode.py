@@ -39,7 +39,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rayrunner.engines.transformers.kv.kv_batch import BatchCache, layer_windows, mergeable
-from rayrunner.engines.transformers.step import fused_ops
+from rayrunner.engines.transformers.step import decode_attention, fused_ops
 from rayrunner.quantization.cpu_gemm import amx_tiles, wide_dtype
 from rayrunner.quantization.int8_rows import KERNEL_IN_MULTIPLE, KERNEL_MAX_ROWS, Int8Linear, int8_matmul, share_storage
 from rayrunner.quantization.packed_linear import fused_pack
@@ -139,7 +139,7 @@ class FastDecode:
         kernel = hidden.dtype == torch.bfloat16 and width <= KERNEL_MAX_ROWS
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         fused = fused_ops.applies(hidden)  # residual adds and norms in one call each (module docstring)
-        attention = _decode_attention(hidden, heads // kv_heads, dim)
+        attention = _rows_attention(hidden, heads // kv_heads, dim)
         sliced = attention is not _grouped_attention  # reading only the cached positions of the room
         normed = _add_norm(self.layers[0].input_norm, hidden, None, fused)
         for index, layer in enumerate(self.layers):
@@ -301,11 +301,11 @@ def _attention_bias(mask: torch.Tensor, capacity: int, window: int | None = None
     return bias[:, None, None]
 
 
-def _decode_attention(hidden: torch.Tensor, group: int, head_dim: int) -> Any:
+def _rows_attention(hidden: torch.Tensor, group: int, head_dim: int) -> Any:
     """The attention for decode rows of `hidden`'s kind (`group` query heads a KV head of `head_dim`): the fused
     kernel where it takes them, PyTorch's flash SDPA on other CPUs with AMX tiles, else `_grouped_attention`."""
-    if fused_ops.attends(hidden, group, head_dim):
-        return fused_ops.decode_attention
+    if decode_attention.attends(hidden, group, head_dim):
+        return decode_attention.decode_attention
     return _flash_attention if hidden.device.type == "cpu" and amx_tiles() else _grouped_attention
 
 

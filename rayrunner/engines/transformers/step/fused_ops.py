@@ -10,13 +10,6 @@ they round it, sums added in their order): `add_rms_norm`, `rope`, and `silu_mul
 projection, its exponential SLEEF's `expf_u10` operation for operation, as PyTorch's vectorized exp: equal to
 PyTorch's on every bf16 input, tested exhaustively).
 
-`decode_attention`, on CPUs with AVX-512 BF16, is a decode step's attention (one new position a row) in one call: the
-scores by the CPU's bf16 dot-product instruction, 16 positions summed at once, the softmax in float32, the values
-weighed in float32 registers and rounded to bf16 once, each head's values fetched into cache while its keys are
-scored. PyTorch's flash SDPA runs the same at a few rows as blocked matmuls sized for prompts, at about half the
-memory's speed (docs/performance.md, "Decode attention"). It is not PyTorch's rounding: nearer float32's (it keeps the
-weights in float32, SDPA rounds them to bf16).
-
 The C file is built for the node's CPU at first use (`native_build`). Without a compiler, or where the build fails,
 `library()` is None and the step keeps PyTorch's operations. `RAYRUNNER_FUSED_OPS=0` turns the fused path off.
 """
@@ -34,7 +27,6 @@ from rayrunner.runtime import native_build
 
 SOURCE = Path(__file__).with_suffix(".c")
 SWITCH_ENV = "RAYRUNNER_FUSED_OPS"
-ATTENTION_HEAD_DIMS, ATTENTION_MAX_GROUP = (64, 128), 16  # what `decode_attention` is built for
 
 
 @functools.cache
@@ -52,11 +44,6 @@ def library() -> ctypes.CDLL | None:
     lib.rope.restype = None
     lib.silu_mul.argtypes = [pointer, i64, pointer, i64, i64, ctypes.c_int]
     lib.silu_mul.restype = None
-    lib.has_decode_attention.argtypes = []
-    lib.has_decode_attention.restype = ctypes.c_int
-    lib.decode_attention.argtypes = [pointer, i64, pointer, pointer, i64, i64, pointer, i64, pointer, i64, i64, i64,
-                                     i64, ctypes.c_float, ctypes.c_int]
-    lib.decode_attention.restype = ctypes.c_int
     return lib
 
 
@@ -112,40 +99,6 @@ def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
     out = torch.empty((gate_up.shape[0], width), dtype=gate_up.dtype)
     lib.silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], width,
                  torch.get_num_threads())
-    return out
-
-
-def attends(hidden: torch.Tensor, group: int, head_dim: int) -> bool:
-    """Whether `decode_attention` takes queries of `hidden`'s kind, `group` query heads a KV head of `head_dim`:
-    bf16 on the CPU, the library built for a CPU with AVX-512 BF16, heads of 64 or 128, groups of up to 16."""
-    lib = library() if applies(hidden) else None
-    return (lib is not None and bool(lib.has_decode_attention()) and head_dim in ATTENTION_HEAD_DIMS
-            and 1 <= group <= ATTENTION_MAX_GROUP)
-
-
-def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Attention of one new position per row: `query` [rows, kv_heads, group, head_dim] (rows may be strided) over
-    `keys` and `values` [rows, kv_heads, positions, head_dim] (views of the cache's room, strided alike), with the
-    additive float32 `bias` [rows, 1, 1, positions] (-inf where not attended); [rows, kv_heads, group, head_dim].
-    Takes what `attends` says."""
-    lib = _ready(query)
-    rows, kv_heads, group, dim = query.shape
-    positions = keys.shape[2]
-    if not attends(query, group, dim) or query.stride()[1:] != (group * dim, dim, 1):
-        raise ValueError(f"query {tuple(query.shape)} strided {query.stride()}: heads of 64 or 128, contiguous rows")
-    if (keys.shape != (rows, kv_heads, positions, dim) or values.shape != keys.shape
-            or keys.stride() != values.stride() or keys.stride()[2:] != (dim, 1)):
-        raise ValueError(f"keys {tuple(keys.shape)} {keys.stride()} and values {tuple(values.shape)} "
-                         f"{values.stride()} do not fit the query {tuple(query.shape)}")
-    if bias.shape != (rows, 1, 1, positions) or bias.dtype != torch.float32 or not bias.is_contiguous():
-        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype}: float32 [{rows}, 1, 1, {positions}], contiguous")
-    out = torch.empty((rows, kv_heads, group, dim), dtype=query.dtype)
-    status = lib.decode_attention(query.data_ptr(), query.stride(0), keys.data_ptr(), values.data_ptr(),
-                                  keys.stride(0), keys.stride(1), bias.data_ptr(), positions, out.data_ptr(), rows,
-                                  kv_heads, group, dim, scale, torch.get_num_threads())
-    if status != 0:
-        raise MemoryError(f"no memory for the scores of {group} heads over {positions} positions")
     return out
 
 
