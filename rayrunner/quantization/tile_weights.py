@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -37,16 +36,13 @@ MAX_GROUP = 6  # blocks of 16 outputs a pass sums at once (eight tiles: one for 
 def library() -> ctypes.CDLL | None:
     """The tile kernel, built if needed and loaded; None when switched off, on CPUs without AMX tiles, or not
     buildable here."""
-    if os.environ.get(SWITCH_ENV, "1").strip() == "0" or not amx_tiles():
+    if not amx_tiles():
         return None
-    lib = native_build.load(SOURCE)
-    if lib is None:
-        return None
-    i64, pointer = ctypes.c_int64, ctypes.c_void_p
-    lib.tiles_ready.argtypes, lib.tiles_ready.restype = [], ctypes.c_int
-    lib.tile_gemm.argtypes = [pointer, i64, i64, i64, pointer, i64, i64, pointer, pointer, i64, ctypes.c_int]
-    lib.tile_gemm.restype = ctypes.c_int
-    return lib if lib.tiles_ready() else None
+    pointer, i64 = native_build.POINTER, native_build.I64
+    lib = native_build.load(SOURCE, SWITCH_ENV, {
+        "tiles_ready": ([], ctypes.c_int),
+        "tile_gemm": ([pointer, i64, i64, i64, pointer, i64, i64, pointer, pointer, i64, ctypes.c_int], ctypes.c_int)})
+    return lib if lib is not None and lib.tiles_ready() else None
 
 
 def packs(weight: torch.Tensor) -> bool:

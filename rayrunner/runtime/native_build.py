@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from rayrunner.runtime.cache_dir import cache_dir
 
@@ -27,6 +28,8 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPI
          # gcc vectorizes for 256-bit registers on Intel unless told: 512 made RoPE 1.8x faster at 1,860 rows there
          *(("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()))
 _BUILD_TIMEOUT_S = 120.0
+I64, POINTER = ctypes.c_int64, ctypes.c_void_p  # the C types the kernels' signatures use most
+Signatures = dict[str, tuple[list[Any], Any]]  # a function's name: its argument types and its result type
 
 
 def compiler() -> str | None:
@@ -34,8 +37,11 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def load(source: Path) -> ctypes.CDLL | None:
-    """`source` built for this CPU (if not built yet) and loaded; None without a compiler or when the build fails."""
+def load(source: Path, switch_env: str, signatures: Signatures) -> ctypes.CDLL | None:
+    """`source` built for this CPU (if not built yet) and loaded, its functions declared by `signatures`; None when
+    `switch_env` is "0", without a compiler, or when the build fails."""
+    if os.environ.get(switch_env, "1").strip() == "0":
+        return None
     path = target(source)
     try:
         if not path.exists():
@@ -44,10 +50,14 @@ def load(source: Path) -> ctypes.CDLL | None:
                 logger.info("no C compiler ($CC, cc, gcc) to build %s: PyTorch's operations stay", source.name)
                 return None
             _build(cc, source, path)
-        return ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("building %s failed (%s): PyTorch's operations stay", source.name, exc)
         return None
+    for name, (arguments, result) in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = arguments, result
+    return lib
 
 
 def target(source: Path) -> Path:

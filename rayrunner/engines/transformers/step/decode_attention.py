@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -29,17 +28,12 @@ HEAD_DIMS, MAX_GROUP = (64, 128), 16  # what the kernel is built for
 def library() -> ctypes.CDLL | None:
     """The kernel, built if needed and loaded; None when switched off, not buildable here, or built for a CPU
     without AVX-512 BF16."""
-    if os.environ.get(SWITCH_ENV, "1").strip() == "0":
-        return None
-    lib = native_build.load(SOURCE)
-    if lib is None:
-        return None
-    i64, pointer = ctypes.c_int64, ctypes.c_void_p
-    lib.has_decode_attention.argtypes, lib.has_decode_attention.restype = [], ctypes.c_int
-    lib.decode_attention.argtypes = [pointer, i64, pointer, pointer, i64, i64, pointer, i64, pointer, i64, i64, i64,
-                                     i64, ctypes.c_float, ctypes.c_int]
-    lib.decode_attention.restype = ctypes.c_int
-    return lib if lib.has_decode_attention() else None
+    pointer, i64 = native_build.POINTER, native_build.I64
+    lib = native_build.load(SOURCE, SWITCH_ENV, {
+        "has_decode_attention": ([], ctypes.c_int),
+        "decode_attention": ([pointer, i64, pointer, pointer, i64, i64, pointer, i64, pointer, i64, i64, i64, i64,
+                              ctypes.c_float, ctypes.c_int], ctypes.c_int)})
+    return lib if lib is not None and lib.has_decode_attention() else None
 
 
 def attends(hidden: torch.Tensor, group: int, head_dim: int) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -32,19 +31,11 @@ SWITCH_ENV = "RAYRUNNER_FUSED_OPS"
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The fused operations, built if needed and loaded; None when switched off or not buildable here."""
-    if os.environ.get(SWITCH_ENV, "1").strip() == "0":
-        return None
-    lib = native_build.load(SOURCE)
-    if lib is None:
-        return None
-    i64, pointer = ctypes.c_int64, ctypes.c_void_p
-    lib.add_rms_norm.argtypes = [pointer, pointer, pointer, pointer, i64, i64, ctypes.c_float]
-    lib.add_rms_norm.restype = ctypes.c_int
-    lib.rope.argtypes = [pointer, i64, pointer, pointer, pointer, i64, i64, i64]
-    lib.rope.restype = None
-    lib.silu_mul.argtypes = [pointer, i64, pointer, i64, i64, ctypes.c_int]
-    lib.silu_mul.restype = None
-    return lib
+    pointer, i64 = native_build.POINTER, native_build.I64
+    return native_build.load(SOURCE, SWITCH_ENV, {
+        "add_rms_norm": ([pointer, pointer, pointer, pointer, i64, i64, ctypes.c_float], ctypes.c_int),
+        "rope": ([pointer, i64, pointer, pointer, pointer, i64, i64, i64], None),
+        "silu_mul": ([pointer, i64, pointer, i64, i64, ctypes.c_int], None)})
 
 
 def applies(hidden: torch.Tensor) -> bool:
