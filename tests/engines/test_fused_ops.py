@@ -90,6 +90,16 @@ def test_silu_mul_rounds_as_pytorchs_operations_on_every_bf16_gate(width: int) -
 
 
 @needs_compiler
+def test_silu_is_fused_only_where_its_vector_path_is_built() -> None:
+    lib = fused_ops.library()
+    assert lib is not None
+    vectorized = bool(lib.silu_mul_vectorized())  # AVX-512 BF16 here: its scalar loop is slower than PyTorch's
+    assert vectorized == ("avx512_bf16" in Path("/proc/cpuinfo").read_text())
+    assert fused_ops.fuses_silu(torch.zeros(1, 8, dtype=torch.bfloat16)) == vectorized
+    assert not fused_ops.fuses_silu(torch.zeros(1, 8))  # float32 keeps PyTorch's
+
+
+@needs_compiler
 def test_mismatched_tensors_are_refused_before_any_work() -> None:
     hidden = torch.zeros(2, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="addend"):

@@ -139,6 +139,7 @@ class FastDecode:
         kernel = hidden.dtype == torch.bfloat16 and width <= KERNEL_MAX_ROWS
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         fused = fused_ops.applies(hidden)  # residual adds and norms in one call each (module docstring)
+        silu_fused = fused_ops.fuses_silu(hidden)
         attention = _rows_attention(hidden, heads // kv_heads, dim)
         sliced = attention is not _grouped_attention  # reading only the cached positions of the room
         normed = _add_norm(self.layers[0].input_norm, hidden, None, fused)
@@ -166,7 +167,7 @@ class FastDecode:
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             normed = _add_norm(layer.post_norm, hidden, _linear(layer.o_proj, out, kernel), fused)
             gate_up = _projections(layer.mlp, GATE_UP, normed, kernel)
-            down = _linear(layer.down_proj, _silu_mul(layer.act, gate_up, self.intermediate, fused), kernel)
+            down = _linear(layer.down_proj, _silu_mul(layer.act, gate_up, self.intermediate, silu_fused), kernel)
             if index + 1 < len(self.layers):
                 normed = _add_norm(self.layers[index + 1].input_norm, hidden, down, fused)
             else:
@@ -268,7 +269,7 @@ def _rope(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, fus
 
 
 def _silu_mul(act: Any, gate_up: torch.Tensor, width: int, fused: bool) -> torch.Tensor:
-    """`act(gate) * up` for `gate_up` [rows, 2 * width]: in one fused call for SiLU where `fused` takes it."""
+    """`act(gate) * up` for `gate_up` [rows, 2 * width]: in one fused call for SiLU where `fused` (`fuses_silu`)."""
     if fused and (type(act) is nn.SiLU or type(act).__name__ == "SiLUActivation"):  # both `F.silu`
         return fused_ops.silu_mul(gate_up, width)
     gate, up = gate_up.split(width, dim=-1)

@@ -166,6 +166,15 @@ static inline float sleef_expf(float d) {
     return u;
 }
 
+/* 1 where `silu_mul` is built with its AVX-512 path: without it the scalar loop is slower than PyTorch's. */
+int silu_mul_vectorized(void) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* out[r] = bf16(silu(gate[r])) * up[r], rounded to bf16, for `rows` rows whose gate is the first `width` values of
    gate_up (a row every `row_stride`) and up the next `width`: transformers' SiLU (x / (1 + exp(-x)) in float32,
    rounded to bf16) and the product after it, as PyTorch rounds them; rows shared among `threads` OpenMP threads

@@ -35,7 +35,8 @@ def library() -> ctypes.CDLL | None:
     return native_build.load(SOURCE, SWITCH_ENV, {
         "add_rms_norm": ([pointer, pointer, pointer, pointer, i64, i64, ctypes.c_float], ctypes.c_int),
         "rope": ([pointer, i64, pointer, pointer, pointer, i64, i64, i64], None),
-        "silu_mul": ([pointer, i64, pointer, i64, i64, ctypes.c_int], None)})
+        "silu_mul": ([pointer, i64, pointer, i64, i64, ctypes.c_int], None),
+        "silu_mul_vectorized": ([], ctypes.c_int)})
 
 
 def applies(hidden: torch.Tensor) -> bool:
@@ -79,6 +80,13 @@ def rope(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> t
     out = torch.empty((rows, heads, dim), dtype=x.dtype)
     lib.rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows, heads, dim)
     return out
+
+
+def fuses_silu(hidden: torch.Tensor) -> bool:
+    """Whether the step takes `silu_mul` for `hidden`'s kind: `applies`, and the library built with its AVX-512
+    path (its scalar loop, elsewhere, is slower than PyTorch's vectorized SiLU)."""
+    lib = library() if applies(hidden) else None
+    return lib is not None and bool(lib.silu_mul_vectorized())
 
 
 def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
