@@ -60,7 +60,7 @@ static void emit(const float *sums, int64_t rows, int64_t count, const uint16_t 
 #define ZERO(G, T) if (G < group) _tile_zero(T);
 #define MULTIPLY(G, T)                                                                                               \
     if (G < group) {                                                                                                 \
-        _tile_stream_loadd(1, weights + (b * group + G) * TILE_ELEMENTS, 64);                                             \
+        _tile_stream_loadd(1, weights + (b * group + G) * TILE_ELEMENTS, 64);                                        \
         _tile_dpbf16ps(T, 0, 1);                                                                                     \
     }
 #define STORE(G, T) if (G < group) _tile_stored(T, sums + G * 256, 64);

@@ -75,7 +75,7 @@ class TileWeight:
         if x.dtype != torch.bfloat16 or x.shape[-1] != self.k:
             raise ValueError(f"input {tuple(x.shape)} {x.dtype} for a bf16 weight of {self.k} inputs")
         rows = x.reshape(-1, self.k)
-        if rows.stride(1) != 1 or rows.data_ptr() % 2:
+        if rows.stride(1) != 1:
             rows = rows.contiguous()
         out = torch.empty((rows.shape[0], self.n), dtype=torch.bfloat16)
         if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):

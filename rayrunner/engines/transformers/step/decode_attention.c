@@ -7,7 +7,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
-enum { MAX_DIM = 256, MAX_GROUP = 16 };
+enum { MAX_DIM = 128, MAX_GROUP = 16 }; /* heads of 64 or 128 (decode_attention checks) */
 
 int has_decode_attention(void) { return 1; }
 
@@ -111,7 +111,8 @@ static inline void block_scores(const __m512bh q[MAX_GROUP][MAX_DIM / 32], const
         for (int g = 0; g < G; g++)                                                                                  \
             for (int i = 0; i < NF; i++) acc[g][i] = _mm512_setzero_ps();                                            \
         for (int64_t t = 0; t < positions; t++) {                                                                    \
-            for (int i = 0; next && i < NF; i += 2) _mm_prefetch((const char *)(next + (t * NF + i) * 16), _MM_HINT_T0); \
+            for (int i = 0; next && i < NF; i += 2)                                                                 \
+                _mm_prefetch((const char *)(next + (t * NF + i) * 16), _MM_HINT_T0);                                 \
             if (bias[t] == -INFINITY) continue;                                                                      \
             __m512 v[NF];                                                                                            \
             for (int i = 0; i < NF; i++)                                                                             \
@@ -124,8 +125,8 @@ static inline void block_scores(const __m512bh q[MAX_GROUP][MAX_DIM / 32], const
         }                                                                                                            \
         for (int g = 0; g < G; g++)                                                                                  \
             for (int i = 0; i < NF; i++)                                                                             \
-                _mm256_storeu_si256((__m256i *)(out + (g * NF + i) * 16),                                            \
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][i], _mm512_set1_ps(inverse[g])))); \
+                _mm256_storeu_si256((__m256i *)(out + (g * NF + i) * 16), (__m256i)_mm512_cvtneps_pbh(               \
+                                        _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inverse[g]))));                      \
     }
 WEIGH_VALUES(4, 1)
 WEIGH_VALUES(4, 2)
@@ -156,8 +157,8 @@ static void attend_head(const uint16_t *query, const uint16_t *keys, const uint1
         for (int64_t i = 0; i < nv; i++) q[g][i] = (__m512bh)_mm512_loadu_si512(query + g * dim + 32 * i);
     int64_t t = 0;
     for (; t + 16 <= positions; t += 16)
-        block_scores((const __m512bh(*)[MAX_DIM / 32])q, keys + t * dim, values + t * dim, nv, dim, group, scores + t, positions, scale,
-                     bias + t);
+        block_scores((const __m512bh(*)[MAX_DIM / 32])q, keys + t * dim, values + t * dim, nv, dim, group, scores + t,
+                     positions, scale, bias + t);
     for (; t < positions; t++) {
         if (bias[t] == -INFINITY) {
             for (int64_t g = 0; g < group; g++) scores[g * positions + t] = -INFINITY;
