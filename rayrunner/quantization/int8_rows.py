@@ -5,6 +5,9 @@ in the model's dtype. `int8_matmul` picks its kernel by the rows it multiplies. 
 2-core AVX-512 CPU, weights streamed from memory (30 layers' Linears, bf16 activations):
 - few rows: PyTorch's int8-weight kernel `aten._weight_int8pack_mm` reads each weight byte once and scales float32
   sums: 9 ms at batch 1 against 18 ms in bf16. Its cost grows with every row (34 ms against 26 ms at 16 rows).
+  On CPUs with AVX-512 BF16, rayrunner's own kernel (`int8_rows.c`) takes its place: the same float32 sums of the
+  same products, the weights fetched a few blocks ahead, which PyTorch's leaves to the hardware: 0.66x its time at
+  one row, 0.75x at 4, 0.81x at 16 on a Sapphire Rapids Xeon (docs/performance.md, "Q8_0 on AVX-512").
 - more rows: the weight is converted to the activation dtype `CONVERT_ROWS` output rows at a time and multiplied by
   that dtype's GEMM, the scales applied to the output: 28 ms at 16 rows, within ~5% of bf16 from 8 to 128 rows.
 The crossover is set in the engine, where the step scheduler's thread pays more for each parallel op: at 16
@@ -23,17 +26,25 @@ weights moved off their Q4_1 grid), within the Q8_0 target of +1% (`bench/bench_
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from rayrunner.quantization.cpu_gemm import wide_dtype
+from rayrunner.runtime import native_build
 
 INT8_MAX = 127
 KERNEL_MAX_ROWS = 16  # up to this many rows take the int8 kernel (see the module docstring)
 CONVERT_ROWS = 4096  # output rows converted at a time on the conversion path (~4.7 MB of bf16 at 576 inputs)
 KERNEL_MAX_ROWS_LARGE = 8  # the same for weights of more than CONVERT_ROWS output rows (a vocabulary-sized head)
 KERNEL_IN_MULTIPLE = 16
+OWN_OUT_MULTIPLE, OWN_IN_MULTIPLE = 4, 32  # what `int8_rows.c` takes: outputs in blocks of 4, inputs of 32
+SOURCE = Path(__file__).with_suffix(".c")
+SWITCH_ENV = "RAYRUNNER_INT8_GEMM"
 ROWS_PER_CHUNK = 4096  # quantize this many rows at a time, so no float32 copy of a whole table is ever made
 
 
@@ -56,13 +67,53 @@ def int8_matmul(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> to
     scale = scale.to(x.dtype)
     most = KERNEL_MAX_ROWS if qdata.shape[0] <= CONVERT_ROWS else KERNEL_MAX_ROWS_LARGE
     if flat.shape[0] <= most and x.dtype == torch.bfloat16 and qdata.shape[1] % KERNEL_IN_MULTIPLE == 0:
-        out = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), qdata, scale)
+        out = few_rows_kernel(flat, qdata, scale)
     else:
         dtype = wide_dtype(x.dtype)  # float32 where this CPU has no native bf16 GEMM (`cpu_gemm`)
         flat = flat.to(dtype)
         parts = [F.linear(flat, part.to(dtype)) for part in qdata.split(CONVERT_ROWS)]
         out = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).mul_(scale.to(dtype)).to(x.dtype)
     return out.reshape(*x.shape[:-1], qdata.shape[0])
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """rayrunner's int8 kernel (`int8_rows.c`), built if needed and loaded; None when switched off, on CPUs without
+    AVX-512 BF16, or not buildable here."""
+    pointer, i64 = native_build.POINTER, native_build.I64
+    lib = native_build.load(SOURCE, SWITCH_ENV, {
+        "int8_rows_ready": ([], ctypes.c_int),
+        "int8_rows_gemm": ([pointer, i64, i64, i64, pointer, i64, pointer, pointer, i64, ctypes.c_int], ctypes.c_int)})
+    return lib if lib is not None and lib.int8_rows_ready() else None
+
+
+def few_rows_kernel(rows: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`rows` [m, k] bf16 (k a multiple of KERNEL_IN_MULTIPLE) times `qdata` [n, k] scaled by `scale` [n]:
+    rayrunner's kernel (`int8_rows.c`) where it takes the weight, else PyTorch's `_weight_int8pack_mm`."""
+    scale = scale.to(torch.bfloat16)
+    if _own_kernel_takes(qdata):
+        return _own_kernel(rows, qdata, scale)
+    return torch.ops.aten._weight_int8pack_mm(rows.contiguous(), qdata, scale)
+
+
+def _own_kernel_takes(qdata: torch.Tensor) -> bool:
+    return (qdata.shape[0] % OWN_OUT_MULTIPLE == 0 and qdata.shape[1] % OWN_IN_MULTIPLE == 0
+            and qdata.is_contiguous() and qdata.device.type == "cpu" and library() is not None)
+
+
+def _own_kernel(rows: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`rows` [m, k] bf16 times int8 `qdata` [n, k] with bf16 `scale` [n], by `int8_rows.c`."""
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    scale = scale.contiguous()
+    out = torch.empty((rows.shape[0], qdata.shape[0]), dtype=torch.bfloat16)
+    lib = library()
+    assert lib is not None  # taken only where it was built
+    if lib.int8_rows_gemm(rows.data_ptr(), rows.stride(0), rows.shape[0], qdata.shape[1], qdata.data_ptr(),
+                          qdata.shape[0], scale.data_ptr(), out.data_ptr(), out.stride(0),
+                          torch.get_num_threads()) != 0:
+        raise RuntimeError(f"the int8 kernel refused a {tuple(rows.shape)} x {tuple(qdata.shape)} matmul")
+    return out
 
 
 def dequantize_rows(qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

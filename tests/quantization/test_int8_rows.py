@@ -96,3 +96,61 @@ def test_linears_with_a_bias_or_other_widths_keep_their_own_tensors() -> None:
         before = [linear.qdata for linear in linears]
         assert int8_rows.share_storage(linears) is None
         assert all(linear.qdata is tensor for linear, tensor in zip(linears, before, strict=True))
+
+
+needs_own_kernel = pytest.mark.skipif(int8_rows.library() is None,
+                                      reason="rayrunner's int8 kernel needs AVX-512 BF16 and a C compiler")
+
+
+def _within_one_rounding(got: torch.Tensor, x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether `got` is the exact product rounded to bf16, give or take one bf16 step (float32 sums' order)."""
+    exact = (x.double() @ qdata.double().T) * scale.double()
+    step = exact.abs().clamp_min(1e-30) * 2.0 ** -7
+    return bool(((got.double() - exact).abs() <= step + 1e-6).all())
+
+
+@needs_own_kernel
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (4, 32), (49152, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
+def test_own_kernel_is_the_exact_product_within_one_rounding(n: int, k: int, rows: int) -> None:
+    qdata, scale = quantize_rows(randn(n, k))
+    x = randn(rows, k, seed=1)
+    got = int8_rows.few_rows_kernel(x, qdata, scale)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    assert _within_one_rounding(got, x, qdata, scale)
+    # PyTorch's int8 kernel sums the same float32 products: the two differ by one bf16 step at most
+    theirs = torch.ops.aten._weight_int8pack_mm(x, qdata, scale)
+    assert relative_error(got, theirs) <= 2.0 ** -7
+
+
+@needs_own_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_own_kernel_rows_are_the_same_alone_and_batched_on_any_threads(threads: int) -> None:
+    qdata, scale = quantize_rows(randn(960, 576))
+    wide = randn(16, 700, seed=2)
+    x = wide[:, 100:676]  # rows a stride of 700 apart
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batched = int8_rows.few_rows_kernel(x, qdata, scale)
+        alone = torch.cat([int8_rows.few_rows_kernel(x[row:row + 1], qdata, scale) for row in range(16)])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(batched, alone)
+    assert _within_one_rounding(batched, x, qdata, scale)
+
+
+def test_weights_the_own_kernel_cannot_take_go_to_pytorchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    qdata, scale = quantize_rows(randn(1002, 64))  # outputs not in blocks of 4
+    x = randn(2, 64, seed=1)
+    assert torch.equal(int8_rows.few_rows_kernel(x, qdata, scale), torch.ops.aten._weight_int8pack_mm(x, qdata, scale))
+    monkeypatch.setenv(int8_rows.SWITCH_ENV, "0")
+    int8_rows.library.cache_clear()
+    try:
+        assert int8_rows.library() is None
+        qdata, scale = quantize_rows(randn(1000, 64))
+        assert torch.equal(int8_rows.few_rows_kernel(x, qdata, scale),
+                           torch.ops.aten._weight_int8pack_mm(x, qdata, scale))
+    finally:
+        monkeypatch.delenv(int8_rows.SWITCH_ENV)
+        int8_rows.library.cache_clear()

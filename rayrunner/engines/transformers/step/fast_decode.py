@@ -41,7 +41,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from rayrunner.engines.transformers.kv.kv_batch import BatchCache, layer_windows, mergeable
 from rayrunner.engines.transformers.step import decode_attention, fused_ops
 from rayrunner.quantization.cpu_gemm import amx_tiles, wide_dtype
-from rayrunner.quantization.int8_rows import KERNEL_IN_MULTIPLE, KERNEL_MAX_ROWS, Int8Linear, int8_matmul, share_storage
+from rayrunner.quantization.int8_rows import (
+    KERNEL_IN_MULTIPLE,
+    KERNEL_MAX_ROWS,
+    Int8Linear,
+    few_rows_kernel,
+    int8_matmul,
+    share_storage,
+)
 from rayrunner.quantization.packed_linear import fused_pack
 
 DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoderLayer", "Qwen2DecoderLayer",
@@ -49,7 +56,6 @@ DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Ministr
 FLOAT32_ATTENTION_MAX = 2048  # cached positions over all rows up to which attention runs in float32 (see above)
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 SHARED_QDATA, SHARED_SCALE = "shared_qdata", "shared_scale"  # buffers of an attention or MLP module (see above)
-_INT8_KERNEL = torch.ops.aten._weight_int8pack_mm
 
 
 class FastDecode:
@@ -240,14 +246,14 @@ def _projections(owner: nn.Module, names: tuple[str, ...], hidden: torch.Tensor,
         return torch.cat([_linear(getattr(owner, name), hidden, kernel) for name in names], dim=-1)
     scale = buffers[SHARED_SCALE]
     assert scale is not None
-    return _INT8_KERNEL(hidden, qdata, scale) if kernel else int8_matmul(hidden, qdata, scale)
+    return few_rows_kernel(hidden, qdata, scale) if kernel else int8_matmul(hidden, qdata, scale)
 
 
 def _linear(module: Any, hidden: torch.Tensor, kernel: bool) -> torch.Tensor:
     """`module` on `hidden`; an `Int8Linear` without bias straight through the int8 kernel when `kernel` (a few bf16
     rows)."""
     if kernel and type(module) is Int8Linear and module.bias is None and module.in_features % KERNEL_IN_MULTIPLE == 0:
-        return _INT8_KERNEL(hidden, module.qdata, module.scale)
+        return few_rows_kernel(hidden, module.qdata, module.scale)
     return module.forward(hidden)
 
 
