@@ -1,10 +1,9 @@
 """Serving overhead of rayrunner on the builtin SmolLM2 (smollm2-135m-instruct), measured side by side in one run.
 
 1. Single-stream decode: tok/s of `POST /v1/chat/completions` through the router (greedy, `max_tokens` N, wall time
-   and `usage.completion_tokens`) vs tok/s of `model.generate` on the same folder in this process (bf16, same chat
-   prompt ids, greedy, `min_new_tokens = max_new_tokens = N`). The driver sets torch to the replica's thread count
-   and the two sides alternate request by request (HTTP, then in-process), so they never run at the same time and
-   machine noise hits both alike. Both walls include prefill.
+   and `usage.completion_tokens`) vs tok/s of the same engine (`TextEngine`, the replica's spec and torch threads)
+   in this process (same chat, greedy, N tokens). The two sides alternate request by request (HTTP, then in
+   process), so they never run at the same time and machine noise hits both alike. Both walls include prefill.
 2. Router hop: latency of a 1-token request via HTTP -> router -> model, vs HTTP straight into a second replica of
    the same model (`DirectServer`: ModelServer plus an HTTP `__call__`, route `/direct`), alternating A/B.
 
@@ -15,6 +14,7 @@ It starts its own local Ray cluster (Serve and dashboard on free ports in 30000-
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import tempfile
@@ -28,7 +28,7 @@ from bench_cluster import start_cluster
 from cpu_kind import cpu_line
 from ray import serve
 
-from rayrunner.models.sources import SMOLLM2, resolve
+from rayrunner.models.sources import SMOLLM2
 from rayrunner.replica.model_server import ModelServer
 from rayrunner.router.app import build_router_app
 
@@ -74,7 +74,7 @@ def deploy_direct(args: argparse.Namespace) -> None:
 
 def chat_body(prompt: str, max_tokens: int) -> dict[str, Any]:
     return {"model": MODEL_ID, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0}
+            "ignore_eos": True, "temperature": 0}
 
 
 def timed_post(http: httpx.Client, path: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -87,28 +87,37 @@ def timed_post(http: httpx.Client, path: str, body: dict[str, Any]) -> tuple[flo
 
 
 class InProcess:
-    """The same folder, prompt ids and greedy decoding, with `generate` called directly."""
+    """The same engine (rayrunner's `TextEngine`, the replica's spec and threads) in this process, on its own event
+    loop: the same prompt, greedy, the same number of tokens."""
 
-    def __init__(self, threads: int, prompt: str) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def __init__(self, args: argparse.Namespace) -> None:
+        from rayrunner.engines.transformers.text import TextEngine
+        from rayrunner.models.spec import build_spec
 
-        torch.set_num_threads(threads)
-        path = resolve(SMOLLM2).path
-        self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                  tokenize=False)
-        self.inputs = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")
+        self.engine = TextEngine(build_spec(MODEL_ID, {"type": "plain", "model_id": SMOLLM2},
+                                            engine=engine_settings(args)))
+        self.prompt = args.prompt
+        self.loop = asyncio.new_event_loop()
 
-    def run(self, tokens: int) -> tuple[float, int]:
-        start = time.perf_counter()
-        with self.torch.inference_mode():
-            out = self.model.generate(**self.inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                                      pad_token_id=self.tokenizer.eos_token_id)
-        elapsed = time.perf_counter() - start
-        return elapsed, int(out.shape[1] - self.inputs["input_ids"].shape[1])
+    def run(self, tokens: int) -> tuple[float, int, float]:
+        """The wall seconds, the completion tokens and the engine's own decode tok/s (as `usage` reports it)."""
+        return self.loop.run_until_complete(self._chat(tokens))
+
+    async def _chat(self, tokens: int) -> tuple[float, int, float]:
+        from rayrunner.openai.sampling_params import SamplingParams
+        from rayrunner.protocol import ChatCompletionRequest
+
+        request = ChatCompletionRequest(messages=[{"role": "user", "content": self.prompt}])
+        start, last = time.perf_counter(), None
+        async for event in self.engine.chat(request, SamplingParams(max_tokens=tokens, ignore_eos=True)):
+            last = event
+        wall = time.perf_counter() - start
+        assert last is not None
+        return wall, last.completion_tokens, last.completion_tokens / last.completion_time_s
+
+    def close(self) -> None:
+        self.engine.close()
+        self.loop.close()
 
 
 def pct(values: list[float], q: int) -> float:
@@ -119,25 +128,32 @@ def pct(values: list[float], q: int) -> float:
 def bench_decode(args: argparse.Namespace, http: httpx.Client) -> dict[str, Any]:
     body = chat_body(args.prompt, args.max_tokens)
     timed_post(http, "/v1/chat/completions", body)  # warm-up
-    local = InProcess(args.threads, args.prompt)
-    local.run(args.max_tokens)  # warm-up
-    http_rate, http_wall, server_rate, local_rate, local_wall, tokens = [], [], [], [], [], set()
-    for _ in range(args.reps):
-        wall, result = timed_post(http, "/v1/chat/completions", body)
-        usage = result["usage"]
-        tokens.add(usage["completion_tokens"])
-        http_wall.append(wall)
-        http_rate.append(usage["completion_tokens"] / wall)
-        server_rate.append(usage["avg_compl_tok_per_sec"])
-        wall, n = local.run(args.max_tokens)
-        local_wall.append(wall)
-        local_rate.append(n / wall)
+    local = InProcess(args)
+    try:
+        local.run(args.max_tokens)  # warm-up
+        http_rate, http_wall, server_rate, local_rate, local_wall, local_decode = [], [], [], [], [], []
+        tokens = set()
+        for _ in range(args.reps):
+            wall, result = timed_post(http, "/v1/chat/completions", body)
+            usage = result["usage"]
+            tokens.add(usage["completion_tokens"])
+            http_wall.append(wall)
+            http_rate.append(usage["completion_tokens"] / wall)
+            server_rate.append(usage["avg_compl_tok_per_sec"])
+            wall, n, decode_rate = local.run(args.max_tokens)
+            tokens.add(n)
+            local_wall.append(wall)
+            local_rate.append(n / wall)
+            local_decode.append(decode_rate)
+    finally:
+        local.close()
     if tokens != {args.max_tokens}:
-        print(f"WARNING: HTTP completions had {sorted(tokens)} tokens, not {args.max_tokens} (stopped early)")
+        print(f"WARNING: completions had {sorted(tokens)} tokens, not {args.max_tokens}")
     med = statistics.median
     pairs = [a / b for a, b in zip(http_rate, local_rate, strict=True)]
     return {"http": med(http_rate), "http_wall": med(http_wall), "server": med(server_rate),
-            "local": med(local_rate), "local_wall": med(local_wall), "pair_ratio": med(pairs)}
+            "local": med(local_rate), "local_wall": med(local_wall), "local_decode": med(local_decode),
+            "pair_ratio": med(pairs)}
 
 
 def bench_hop(args: argparse.Namespace, http: httpx.Client) -> dict[str, list[float]]:
@@ -199,7 +215,8 @@ def main() -> None:
     print(f"{'path':<40}{'tok/s':>10}{'wall s':>10}")
     print(f"{'HTTP -> router -> model (client wall)':<40}{decode['http']:>10.2f}{decode['http_wall']:>10.3f}")
     print(f"{'  (replica decode-only, usage)':<40}{decode['server']:>10.2f}{'':>10}")
-    print(f"{'in-process model.generate':<40}{decode['local']:>10.2f}{decode['local_wall']:>10.3f}")
+    print(f"{'the same engine in process (wall)':<40}{decode['local']:>10.2f}{decode['local_wall']:>10.3f}")
+    print(f"{'  (engine decode-only, usage)':<40}{decode['local_decode']:>10.2f}{'':>10}")
     ratio = decode["http"] / decode["local"]
     print(f"{'ratio HTTP / in-process (of medians)':<40}{ratio:>10.3f}")
     print(f"{'  median of per-pair ratios':<40}{decode['pair_ratio']:>10.3f}")
