@@ -6,8 +6,8 @@ in the model's dtype. `int8_matmul` picks its kernel by the rows it multiplies. 
 - few rows: PyTorch's int8-weight kernel `aten._weight_int8pack_mm` reads each weight byte once and scales float32
   sums: 9 ms at batch 1 against 18 ms in bf16. Its cost grows with every row (34 ms against 26 ms at 16 rows).
   On CPUs with AVX-512 BF16, rayrunner's own kernel (`int8_rows.c`) takes its place: the same float32 sums of the
-  same products, the weights fetched a few blocks ahead, which PyTorch's leaves to the hardware: 0.66x its time at
-  one row, 0.75x at 4, 0.81x at 16 on a Sapphire Rapids Xeon (docs/performance.md, "Q8_0 on AVX-512").
+  same products, the weights fetched a few blocks ahead, which PyTorch's leaves to the hardware, and widened once for
+  all rows: 0.72-0.75x its time from 1 to 16 rows on a Sapphire Rapids Xeon (docs/performance.md, "Q8_0 on AVX-512").
 - more rows: the weight is converted to the activation dtype `CONVERT_ROWS` output rows at a time and multiplied by
   that dtype's GEMM, the scales applied to the output: 28 ms at 16 rows, within ~5% of bf16 from 8 to 128 rows.
 The crossover is set in the engine, where the step scheduler's thread pays more for each parallel op: at 16
