@@ -18,7 +18,7 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -62,9 +62,11 @@ def step_ms(model: Any, rows: int, context: int, steps: int, rounds: int) -> dic
     return {fused: statistics.median(ms) for fused, ms in times.items()}
 
 
-def prefill_ms(model: Any, prompts: int, tokens: int, rounds: int) -> dict[bool, float]:
+def prefill_ms(model: Any, prompts: int, tokens: int, rounds: int,
+               switch: Callable[[bool], AbstractContextManager[None]] = fused_or_not) -> dict[bool, float]:
     """Median ms to prefill `prompts` prompts of `tokens` tokens at once through the fast step (as prompts
-    prefilled aside or fed beside a decode step are), with the fused operations (True) and without (False)."""
+    prefilled aside or fed beside a decode step are), with what `switch` turns on (True) and without (False),
+    alternating."""
     from rayrunner.engines.transformers.kv.kv_batch import BatchCache, new_cache
 
     fast = fast_decode.FastDecode.for_model(model)
@@ -79,7 +81,7 @@ def prefill_ms(model: Any, prompts: int, tokens: int, rounds: int) -> dict[bool,
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(rounds + 1):  # the first round warms up
         for fused in (True, False):
-            with fused_or_not(fused):
+            with switch(fused):
                 started = time.perf_counter()
                 fast.prefill(chunks())
                 times[fused].append((time.perf_counter() - started) * 1000)

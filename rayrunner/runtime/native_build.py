@@ -3,7 +3,8 @@
 A source is built (`$CC`, else `cc` or `gcc`; `-march=native`) once per source text and CPU into rayrunner's cache
 (`cache_dir() / "kernels"`), so a process that finds it built loads it in milliseconds; a cache shared by nodes of
 other CPUs holds one build each. Without a compiler, or where the build fails, `load` gives None (logged) and the
-caller keeps PyTorch's operations.
+caller keeps PyTorch's operations. A source may include the headers beside it (`-I` its folder): they are part of
+what its build is keyed on, so a change to one rebuilds every source of that folder.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ def load(source: Path, switch_env: str, signatures: Signatures) -> ctypes.CDLL |
 
 def target(source: Path) -> Path:
     """Where `source`, built for this CPU, lies in the cache."""
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), _cpu_flags(), " ".join(FLAGS).encode()])).hexdigest()
+    headers = [header.read_bytes() for header in sorted(source.parent.glob("*.h"))]
+    parts = [source.read_bytes(), *headers, _cpu_flags(), " ".join(FLAGS).encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()
     return cache_dir() / "kernels" / f"{source.stem}-{key[:16]}.so"
 
 
@@ -72,8 +75,8 @@ def _build(cc: str, source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        subprocess.run([cc, *FLAGS, "-o", str(built), str(source)], check=True, capture_output=True,
-                       timeout=_BUILD_TIMEOUT_S)
+        subprocess.run([cc, *FLAGS, "-I", str(source.parent), "-o", str(built), str(source)], check=True,
+                       capture_output=True, timeout=_BUILD_TIMEOUT_S)
         os.replace(built, target)
     logger.info("built %s for this CPU: %s", source.name, target)
 

@@ -39,7 +39,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rayrunner.engines.transformers.kv.kv_batch import BatchCache, layer_windows, mergeable
-from rayrunner.engines.transformers.step import decode_attention, fused_ops
+from rayrunner.engines.transformers.step import decode_attention, fused_ops, prompt_attention
 from rayrunner.quantization.cpu_gemm import amx_tiles, wide_dtype
 from rayrunner.quantization.int8_rows import (
     KERNEL_IN_MULTIPLE,
@@ -197,8 +197,9 @@ class PromptChunk:
         self.mask = cache.mask_with(len(ids))  # [1, start + tokens]
         causal = torch.ones((len(ids), self.mask.shape[1]), dtype=torch.bool, device=device).tril(start)
         # transformers' own masks for SDPA: none for a whole prompt (causal), else [1, 1, tokens, start + tokens],
-        # so that the prompt's logits are its own prefill's bit for bit
+        # so that the prompt's logits are its own prefill's bit for bit (in bf16 on AMX tiles, within a rounding)
         self.allowed = self.mask.bool()[:, None, None, :] & causal if start else None
+        self.start, self.causal = start, start == 0 or bool(self.mask.all())  # nothing hidden but the future
 
     def attend(self, index: int, layer: _Layer, rotated: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Layer `index`'s attention output [tokens, heads * head_dim] for the tokens' rotated queries and keys
@@ -206,6 +207,10 @@ class PromptChunk:
         heads = self.heads
         keys, values = self.cache.cache.update(rotated[:, heads:].transpose(0, 1)[None],
                                                values.transpose(0, 1)[None], index)
+        if (self.causal and keys.is_contiguous() and values.is_contiguous()
+                and prompt_attention.attends(rotated, heads, keys.shape[1], keys.shape[3])):
+            return prompt_attention.prompt_attention(rotated[:, :heads], keys[0], values[0], self.start,
+                                                     layer.scaling)
         query = rotated[:, :heads].transpose(0, 1)[None]  # [1, heads, tokens, head_dim]
         out = sdpa_attention_forward(layer.attention, query, keys, values, self.allowed, scaling=layer.scaling)[0]
         return out.reshape(self.ids.shape[0], -1)

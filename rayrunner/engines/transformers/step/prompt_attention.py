@@ -1,0 +1,70 @@
+"""The causal attention of a prompt's tokens on the CPU's AMX tiles, compiled from `prompt_attention.c` on first use
+(`native_build`): for whole prompts and chunks fed through the fast step (`PromptChunk`) in bf16.
+
+PyTorch's flash SDPA takes ~0.5 ms per 124-token prompt and layer of SmolLM2 on one Sapphire Rapids core, a quarter
+of a 16-prompt wave's prefill (docs/performance.md, "Prompt attention on the tiles"); this kernel computes what it
+computes (scores and weighted values summed in float32 on the tiles, the softmax in float32, its weights rounded to
+bf16 before they weigh the values, one rounding of the output) in a fraction of that. Its exponential is not
+PyTorch's, so outputs may differ from SDPA's in the last bf16 bit. `RAYRUNNER_PROMPT_ATTENTION=0` turns it off;
+CPUs without AMX, or without a compiler, keep SDPA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from rayrunner.quantization.cpu_gemm import amx_tiles
+from rayrunner.runtime import native_build
+
+SOURCE = Path(__file__).with_suffix(".c")
+SWITCH_ENV = "RAYRUNNER_PROMPT_ATTENTION"
+HEAD_DIMS = (64, 128)  # what the kernel is built for
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The kernel, built if needed and loaded; None when switched off, on CPUs without AMX tiles, or not buildable
+    here."""
+    if not amx_tiles():
+        return None
+    pointer, i64 = native_build.POINTER, native_build.I64
+    lib = native_build.load(SOURCE, SWITCH_ENV, {
+        "prompt_tiles_ready": ([], ctypes.c_int),
+        "prompt_attention": ([pointer, i64, i64, i64, pointer, pointer, i64, pointer, i64, i64, i64, i64,
+                              ctypes.c_float, ctypes.c_int], ctypes.c_int)})
+    return lib if lib is not None and lib.prompt_tiles_ready() else None
+
+
+def attends(query: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether `prompt_attention` takes a prompt's queries of `query`'s kind: bf16 on the CPU, the kernel built,
+    heads of 64 or 128, whole groups of query heads per KV head."""
+    return (query.dtype == torch.bfloat16 and query.device.type == "cpu" and head_dim in HEAD_DIMS
+            and heads % kv_heads == 0 and library() is not None)
+
+
+def prompt_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                     scale: float) -> torch.Tensor:
+    """Causal attention of a prompt's `query` [tokens, heads, head_dim] (token i at position start + i; tokens may be
+    strided) over `keys` and `values` [kv_heads, start + tokens, head_dim] (contiguous): [tokens, heads * head_dim].
+    Takes what `attends` says."""
+    tokens, heads, dim = query.shape
+    kv_heads, positions = keys.shape[0], start + tokens
+    lib = library()
+    if lib is None or not attends(query, heads, kv_heads, dim) or query.stride()[1:] != (dim, 1):
+        raise ValueError(f"query {tuple(query.shape)} {query.dtype} strided {query.stride()}: bf16 on a CPU with "
+                         "the kernel, heads of 64 or 128, contiguous heads")
+    for name, tensor in (("keys", keys), ("values", values)):
+        if tensor.shape != (kv_heads, positions, dim) or tensor.dtype != query.dtype or not tensor.is_contiguous():
+            raise ValueError(f"{name} {tuple(tensor.shape)} {tensor.dtype}: contiguous [{kv_heads}, {positions}, "
+                             f"{dim}] for {tokens} tokens after {start}")
+    out = torch.empty((tokens, heads * dim), dtype=query.dtype)
+    status = lib.prompt_attention(query.data_ptr(), query.stride(0), tokens, start, keys.data_ptr(),
+                                  values.data_ptr(), positions * dim, out.data_ptr(), heads * dim, heads, kv_heads,
+                                  dim, scale, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"no memory for the attention of {tokens} tokens over {positions} positions")
+    return out

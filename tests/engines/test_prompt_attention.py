@@ -1,0 +1,122 @@
+"""The prompt attention on AMX tiles (`prompt_attention`): causal attention of whole prompts and of chunks after
+cached positions within one bf16 rounding of float32 attention, as near to it as PyTorch's SDPA, the same on one
+thread and two; refused cleanly; and a bf16 prefill through the fast step with it answering as transformers' does.
+Skipped without a C compiler or on CPUs without AMX tiles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rayrunner.engines.transformers.kv.kv_batch import BatchCache, new_cache
+from rayrunner.engines.transformers.step import prompt_attention
+from rayrunner.engines.transformers.step.fast_decode import FastDecode, PromptChunk
+from rayrunner.runtime import native_build
+from tests.engines.test_fast_decode import _model, _relative
+
+needs_tiles = pytest.mark.skipif(
+    native_build.compiler() is None or prompt_attention.library() is None,
+    reason="the prompt attention needs a C compiler and a CPU with AMX tiles")
+
+
+def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """SDPA in `dtype`, causal after `start` cached positions: [tokens, heads * dim]."""
+    tokens, heads, dim = query.shape
+    allowed = torch.ones(tokens, start + tokens, dtype=torch.bool).tril(start)
+    out = F.scaled_dot_product_attention(query.to(dtype).transpose(0, 1)[None], keys.to(dtype)[None],
+                                         values.to(dtype)[None], attn_mask=allowed, scale=dim ** -0.5,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(tokens, heads * dim)
+
+
+def _run(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, threads: int) -> torch.Tensor:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return prompt_attention.prompt_attention(query, keys, values, start, query.shape[-1] ** -0.5)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_tiles
+# tokens: one, a few, SmolLM2's prompt (124), past one block of scores' scratch (300); a chunk after cached ones;
+# groups of 1-4 query heads a KV head; heads of 64 and 128
+@pytest.mark.parametrize("tokens, start, heads, kv_heads, dim", [
+    (1, 0, 4, 4, 64), (7, 0, 9, 3, 64), (124, 0, 9, 3, 64), (300, 0, 9, 3, 64), (33, 5, 9, 3, 64),
+    (50, 100, 8, 2, 128), (17, 0, 2, 1, 128)])
+def test_prompt_attention_is_float32_attention_within_bf16_rounding(tokens: int, start: int, heads: int,
+                                                                    kv_heads: int, dim: int) -> None:
+    torch.manual_seed(tokens + start + heads)
+    rotated = torch.randn(tokens, heads + kv_heads, dim).to(torch.bfloat16)  # queries strided, as the step's are
+    query = rotated[:, :heads]
+    keys = torch.randn(kv_heads, start + tokens, dim).to(torch.bfloat16)
+    values = torch.randn(kv_heads, start + tokens, dim).to(torch.bfloat16)
+    got = _run(query, keys, values, start, threads=1)
+    assert got.shape == (tokens, heads * dim) and got.dtype == torch.bfloat16
+    exact = _attention(query, keys, values, start, torch.float32)
+    sdpa = _attention(query, keys, values, start, torch.bfloat16).float()
+    # the weights rounded to bf16 (as SDPA rounds them) and one rounding of the output: SDPA's error, no more
+    assert (got.float() - exact).abs().max() <= (sdpa - exact).abs().max() * 1.25 + 1e-6
+    assert (got.float() == sdpa).float().mean() > 0.85  # most outputs SDPA's to the bit
+    assert torch.equal(_run(query, keys, values, start, threads=2), got)
+
+
+@needs_tiles
+def test_prompt_attention_refuses_what_it_was_not_built_for() -> None:
+    bf16 = torch.zeros(2, 3, 64, dtype=torch.bfloat16)
+    assert not prompt_attention.attends(bf16, 3, 1, 96) and not prompt_attention.attends(bf16, 3, 2, 64)
+    assert not prompt_attention.attends(bf16.float(), 3, 1, 64)  # float32 keeps SDPA
+    keys = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="keys"):
+        prompt_attention.prompt_attention(bf16, keys, keys, 1, 0.125)  # 2 tokens after 1 need 3 positions
+    with pytest.raises(ValueError, match="values"):
+        prompt_attention.prompt_attention(bf16, keys, keys.transpose(1, 2).contiguous().transpose(1, 2), 0, 0.125)
+    with pytest.raises(ValueError, match="query"):
+        prompt_attention.prompt_attention(bf16.float(), keys, keys, 0, 0.125)
+
+
+@needs_tiles
+@pytest.mark.slow
+@torch.inference_mode()
+def test_a_bf16_prefill_with_the_tiles_answers_as_transformers(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two prompts prefilled together by the fast step (one whole, one after cached tokens): the kernel takes every
+    layer of both, and each prompt's logits are transformers' own prefill's within bf16 rounding, its next token the
+    same."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=256)  # heads of 64
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(tmp_path))
+    model = _model(str(tmp_path), torch.bfloat16)
+    fast = FastDecode.for_model(model)
+    assert fast is not None
+    calls: list[int] = []
+    kernel = prompt_attention.prompt_attention
+    monkeypatch.setattr(prompt_attention, "prompt_attention", lambda *args: calls.append(1) or kernel(*args))
+    prompts = [[(7 * t + 3) % 60 + 2 for t in range(40)], [(5 * t + 1) % 60 + 2 for t in range(23)]]
+
+    def empty() -> BatchCache:
+        return BatchCache(new_cache(model.config), torch.zeros((1, 0), dtype=torch.long))
+
+    def prefill(cache: BatchCache, tokens: list[int], start: int) -> torch.Tensor:
+        mask = cache.mask_with(len(tokens))
+        logits = model(input_ids=torch.tensor([tokens]), attention_mask=mask,
+                       position_ids=torch.arange(start, start + len(tokens))[None], cache=cache.cache).logits
+        cache.grew(mask)
+        return logits[0, -1].float()
+
+    want = [prefill(empty(), prompt, 0) for prompt in prompts]
+    cached = empty()
+    prefill(cached, prompts[1][:9], 0)
+    got = fast.prefill([PromptChunk(prompts[0], 0, empty(), fast.heads),
+                        PromptChunk(prompts[1][9:], 9, cached, fast.heads)]).float()
+    assert len(calls) == 2 * 2  # both prompts, both layers
+    for row, expected in enumerate(want):
+        assert _relative(got[row, -1], expected) < 0.02
+        assert int(got[row, -1].argmax()) == int(expected.argmax())
