@@ -136,6 +136,17 @@ class BatchCache:
     def append(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append `keys`/`values` [rows, kv_heads, 1, head_dim] to layer `index` (in reserved room: see above);
         the layer's room for keys and values [rows, kv_heads, capacity, head_dim], zeros past the cached length."""
+        room = self.reserve(index)
+        length = _layers(self.cache)[index].keys.shape[2]
+        room[0][:, :, length] = keys[:, :, 0]
+        room[1][:, :, length] = values[:, :, 0]
+        self.appended(index)
+        return room
+
+    def reserve(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s room for keys and values [rows, kv_heads, capacity, head_dim], with room for one more
+        position past the cached ones (grown if it had none): where a step writes its keys and values before
+        `appended`."""
         layer = _layers(self.cache)[index]
         rows, length = layer.keys.shape[0], layer.keys.shape[2]
         room = self._room.get(index)
@@ -143,11 +154,14 @@ class BatchCache:
             capacity = grown(length, self.max_positions)
             room = self._room[index] = (_reserved(layer.keys, length, capacity),
                                         _reserved(layer.values, length, capacity))
-        room = (room[0][:rows], room[1][:rows])  # rows left by `keep` stay free for the next `merge`
-        room[0][:, :, length] = keys[:, :, 0]
-        room[1][:, :, length] = values[:, :, 0]
-        layer.keys, layer.values = room[0][:, :, : length + 1], room[1][:, :, : length + 1]
-        return room
+        return room[0][:rows], room[1][:rows]  # rows left by `keep` stay free for the next `merge`
+
+    def appended(self, index: int) -> None:
+        """Layer `index` holds one more position: the one written into its room (`reserve`)."""
+        layer = _layers(self.cache)[index]
+        rows, length = layer.keys.shape[0], layer.keys.shape[2]
+        keys, values = self._room[index]
+        layer.keys, layer.values = keys[:rows, :, : length + 1], values[:rows, :, : length + 1]
 
     def merge(self, other: BatchCache) -> None:
         """Append `other`'s rows, left-padding whichever side is shorter: written into free rows of the room when

@@ -40,6 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rayrunner.engines.transformers.kv.kv_batch import BatchCache, layer_windows, mergeable
 from rayrunner.engines.transformers.step import decode_attention, fused_ops, prompt_attention
+from rayrunner.engines.transformers.step.decode_layers import LayerDriver
 from rayrunner.quantization.cpu_gemm import amx_tiles, wide_dtype
 from rayrunner.quantization.int8_rows import (
     KERNEL_IN_MULTIPLE,
@@ -73,6 +74,7 @@ class FastDecode:
             _share(layer.mlp, GATE_UP)
         self.layers = [_Layer(layer) for layer in decoder.layers[: config.num_hidden_layers]]
         self.windows = layer_windows(config)
+        self.driver = LayerDriver.for_fast(self.layers, decoder.norm, config, self.windows)  # the layers in C
 
     @classmethod
     def for_model(cls, model: Any) -> FastDecode | None:
@@ -140,6 +142,11 @@ class FastDecode:
         cos, sin = self.decoder.rotary_emb.forward(hidden, positions)  # [rows (+ prompt tokens), 1, head_dim]
         half = self.head_dim // 2
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # for the halves swapped (`_rope`)
+        if rows_cache is not None and not prompts and self.driver is not None:
+            batch, mask = rows_cache
+            normed = self.driver.run(hidden, cos, sin, _attention_bias(mask, mask.shape[1]), batch)
+            if normed is not None:  # the same step, its layers in one C call
+                return self.lm_head.forward(normed)[:, None]
         biases: dict[int | None, torch.Tensor] = {}  # by window: the same for every layer of one kind
         width = hidden.shape[0]
         kernel = hidden.dtype == torch.bfloat16 and width <= KERNEL_MAX_ROWS
