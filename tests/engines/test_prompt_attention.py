@@ -120,3 +120,28 @@ def test_a_bf16_prefill_with_the_tiles_answers_as_transformers(tmp_path: Path,
     for row, expected in enumerate(want):
         assert _relative(got[row, -1], expected) < 0.02
         assert int(got[row, -1].argmax()) == int(expected.argmax())
+
+
+@needs_tiles
+@torch.inference_mode()
+def test_a_prompt_after_its_cached_start_gets_its_whole_prefills_logits_to_the_bit(tmp_path: Path) -> None:
+    """The prefix cache's promise: a prompt whose first tokens are cached (computed by an earlier whole prefill)
+    gets the logits its own whole prefill gets, so a repeated question gets the same greedy answer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=64, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=256)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(tmp_path))
+    fast = FastDecode.for_model(_model(str(tmp_path), torch.bfloat16))
+    assert fast is not None
+    prompt = [(11 * t + 5) % 60 + 2 for t in range(70)]
+
+    def empty() -> BatchCache:
+        return BatchCache(new_cache(config), torch.zeros((1, 0), dtype=torch.long))
+
+    whole = fast.prefill([PromptChunk(prompt, 0, empty(), fast.heads)])
+    cached = empty()
+    fast.prefill([PromptChunk(prompt[:33], 0, cached, fast.heads)])
+    after = fast.prefill([PromptChunk(prompt[33:], 33, cached, fast.heads)])
+    assert torch.equal(whole, after)

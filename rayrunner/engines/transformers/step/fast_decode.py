@@ -21,10 +21,12 @@ the operations around it:
   would cost more than it saves; on a CPU without a native bf16 GEMM (`cpu_gemm`) always in float32. On a CPU with
   AMX tiles, PyTorch's flash SDPA (grouped heads, its blocks multiplied on the tiles) is faster and takes it.
 
-Whole text prompts are prefilled through it too (`prefill`, and `PromptChunk`s beside a step), each on a cache of
-its own; images, chunks of long prompts, LoRA adapters (peft replaces the Linears), and other architectures keep
-transformers' forward: `FastDecode.for_model` says None for a model whose decoder layers it does not cover. What
-this step gains, and what was tried and left out, is in docs/performance.md ("Decode", "Fused operations").
+Text prompts are prefilled through it too (`prefill`, and `PromptChunk`s beside a step), whole or after their cached
+start, each on a cache of its own, their attention on the AMX tiles where built (`prompt_attention`); images, LoRA
+adapters (peft replaces the Linears), scored prompts and other architectures keep transformers' forward:
+`FastDecode.for_model` says None for a model whose decoder layers it does not cover. Where every Linear is on the
+tiles, a step of decode rows alone runs its layers in one C call (`decode_layers`). What this step gains, and what
+was tried and left out, is in docs/performance.md ("Decode", "Fused operations").
 """
 
 from __future__ import annotations

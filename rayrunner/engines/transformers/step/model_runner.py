@@ -118,11 +118,15 @@ class ModelRunner:
         return BatchCache(cache_of(blocks), torch.ones((1, start), dtype=torch.long, device=self.device))
 
     def prefill_chunk(self, sequence: Sequence, start: int, end: int) -> tuple[torch.Tensor, BatchCache]:
-        """Feed tokens `start` to `end` of `sequence`'s prefill onto its chunk cache: the last position's logits, and
-        that cache."""
+        """Feed tokens `start` to `end` of `sequence`'s prefill onto its chunk cache (through the fast step for the
+        prompts it takes, as their whole prefill): the last position's logits, and that cache."""
         cache = self.chunk
         if cache is None:
             raise RuntimeError("no prompt is being chunked")
+        if self._fast_prompt(sequence):  # as its whole prefill would go: a prompt's logits whichever way it starts
+            logits = self.prefill_aside([(sequence, start, end, cache)])
+            sequence.prefilled = end
+            return logits, cache
         chunk = sequence.prefill_ids[start:end]
         ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
         positions = torch.arange(start, end, device=self.device).unsqueeze(0)
