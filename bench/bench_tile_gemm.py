@@ -66,6 +66,13 @@ def repacked(model: Any, tiles: bool) -> None:
 
 def stepper(model: Any, rows: int, context: int, steps: int) -> Callable[[], float]:
     """Ms a decode step of `rows` rows (the scheduler's step, every row decoding), over `steps` steps a call."""
+    scheduler = decoding(model, rows, context, steps)
+    return lambda: timed(scheduler, steps)
+
+
+def decoding(model: Any, rows: int, context: int, steps: int) -> Any:
+    """A step scheduler (with the fast step) whose `rows` sequences of `context` tokens are all decoding, with room
+    for 100 calls of `steps` steps."""
     from rayrunner.engines.transformers.step.fast_decode import FastDecode
     from rayrunner.engines.transformers.step.scheduler import SchedulerLimits, StepScheduler
 
@@ -75,7 +82,7 @@ def stepper(model: Any, rows: int, context: int, steps: int) -> Callable[[], flo
     while scheduler.stats()["waiting"] or scheduler.stats()["running"] < rows:
         scheduler.step()
     timed(scheduler, 10)
-    return lambda: timed(scheduler, steps)
+    return scheduler
 
 
 def alternating(model: Any, rounds: int, measure: Callable[[], float]) -> dict[bool, float]:
