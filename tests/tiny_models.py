@@ -120,3 +120,13 @@ def image_data_url(image: Image.Image, fmt: str = "PNG") -> str:
     buffer = io.BytesIO()
     image.save(buffer, fmt)
     return f"data:image/{fmt.lower()};base64,{base64.b64encode(buffer.getvalue()).decode()}"
+
+
+def build_kernel_llama(path: str | Path, seed: int = 0) -> str:
+    """A 2-layer random bf16 Llama with no tokenizer, shaped for rayrunner's CPU kernels (three heads of 64 sharing one
+    KV head, widths the AMX tiles take); returns the folder."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=64, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=512)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(path))
+    return str(path)

@@ -13,6 +13,7 @@ from rayrunner.engines.transformers.step import decode_attention
 from rayrunner.engines.transformers.step.fast_decode import FastDecode
 from rayrunner.runtime import native_build
 from tests.engines.test_fast_decode import _decode, _model, _relative
+from tests.tiny_models import build_kernel_llama
 
 needs_attention = pytest.mark.skipif(
     native_build.compiler() is None or not decode_attention.attends(torch.zeros(1, dtype=torch.bfloat16), 1, 64),
@@ -77,13 +78,7 @@ def test_decode_attention_refuses_what_it_was_not_built_for() -> None:
 @pytest.mark.slow
 def test_a_bf16_step_with_the_fused_attention_decodes_as_transformers(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=256)  # heads of 64
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(tmp_path))
-    model = _model(str(tmp_path), torch.bfloat16)
+    model = _model(build_kernel_llama(tmp_path), torch.bfloat16)
     fast = FastDecode.for_model(model)
     assert fast is not None
     calls: list[int] = []

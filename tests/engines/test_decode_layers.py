@@ -15,6 +15,7 @@ from rayrunner.engines.transformers.step import decode_layers
 from rayrunner.engines.transformers.step.fast_decode import FastDecode, PromptChunk
 from rayrunner.quantization import packed_linear
 from tests.engines.test_fast_decode import PROMPTS, _decode, _model, _prefilled, _relative
+from tests.tiny_models import build_kernel_llama
 
 needs_driver = pytest.mark.skipif(decode_layers.library() is None,
                                   reason="the layers in C need a C compiler and a CPU with AMX tiles")
@@ -22,15 +23,7 @@ needs_driver = pytest.mark.skipif(decode_layers.library() is None,
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A random bf16 Llama whose shapes the tiles take (heads of 64, a KV head shared by three)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=512)
-    folder = tmp_path_factory.mktemp("tile-llama")
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(folder))
-    return str(folder)
+    return build_kernel_llama(tmp_path_factory.mktemp("kernel-llama"))
 
 
 def _packed(folder: str) -> tuple[torch.nn.Module, FastDecode]:

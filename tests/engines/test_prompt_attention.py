@@ -5,6 +5,7 @@ Skipped without a C compiler or on CPUs without AMX tiles."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,12 +15,23 @@ import torch.nn.functional as F
 from rayrunner.engines.transformers.kv.kv_batch import BatchCache, new_cache
 from rayrunner.engines.transformers.step import prompt_attention
 from rayrunner.engines.transformers.step.fast_decode import FastDecode, PromptChunk
+from rayrunner.quantization.cpu_gemm import amx_tiles
 from rayrunner.runtime import native_build
 from tests.engines.test_fast_decode import _model, _relative
+from tests.tiny_models import build_kernel_llama
 
-needs_tiles = pytest.mark.skipif(
-    native_build.compiler() is None or prompt_attention.library() is None,
-    reason="the prompt attention needs a C compiler and a CPU with AMX tiles")
+needs_tiles = pytest.mark.skipif(native_build.compiler() is None or not amx_tiles(),
+                                 reason="the prompt attention needs a C compiler and a CPU with AMX tiles")
+
+
+@pytest.fixture(autouse=True)
+def switched_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The kernel is opt-in (`RAYRUNNER_PROMPT_ATTENTION=1`): these tests switch it on, and off again after."""
+    monkeypatch.setenv(prompt_attention.SWITCH_ENV, "1")
+    prompt_attention.library.cache_clear()
+    yield
+    monkeypatch.delenv(prompt_attention.SWITCH_ENV)
+    prompt_attention.library.cache_clear()
 
 
 def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
@@ -87,13 +99,7 @@ def test_a_bf16_prefill_with_the_tiles_answers_as_transformers(tmp_path: Path,
     """Two prompts prefilled together by the fast step (one whole, one after cached tokens): the kernel takes every
     layer of both, and each prompt's logits are transformers' own prefill's within bf16 rounding, its next token the
     same."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=256)  # heads of 64
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(tmp_path))
-    model = _model(str(tmp_path), torch.bfloat16)
+    model = _model(build_kernel_llama(tmp_path), torch.bfloat16)
     fast = FastDecode.for_model(model)
     assert fast is not None
     calls: list[int] = []
@@ -127,21 +133,25 @@ def test_a_bf16_prefill_with_the_tiles_answers_as_transformers(tmp_path: Path,
 def test_a_prompt_after_its_cached_start_gets_its_whole_prefills_logits_to_the_bit(tmp_path: Path) -> None:
     """The prefix cache's promise: a prompt whose first tokens are cached (computed by an earlier whole prefill)
     gets the logits its own whole prefill gets, so a repeated question gets the same greedy answer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(1)
-    config = LlamaConfig(vocab_size=64, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=256)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(tmp_path))
-    fast = FastDecode.for_model(_model(str(tmp_path), torch.bfloat16))
+    model = _model(build_kernel_llama(tmp_path, seed=1), torch.bfloat16)
+    fast = FastDecode.for_model(model)
     assert fast is not None
     prompt = [(11 * t + 5) % 60 + 2 for t in range(70)]
 
     def empty() -> BatchCache:
-        return BatchCache(new_cache(config), torch.zeros((1, 0), dtype=torch.long))
+        return BatchCache(new_cache(model.config), torch.zeros((1, 0), dtype=torch.long))
 
     whole = fast.prefill([PromptChunk(prompt, 0, empty(), fast.heads)])
     cached = empty()
     fast.prefill([PromptChunk(prompt[:33], 0, cached, fast.heads)])
     after = fast.prefill([PromptChunk(prompt[33:], 33, cached, fast.heads)])
     assert torch.equal(whole, after)
+
+
+def test_the_kernel_is_off_unless_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off by default: a prompt's logits stay transformers' own prefill's to the bit."""
+    monkeypatch.delenv(prompt_attention.SWITCH_ENV)
+    prompt_attention.library.cache_clear()
+    assert prompt_attention.library() is None
+    assert not prompt_attention.attends(torch.zeros(2, 3, 64, dtype=torch.bfloat16), 3, 1, 64)
+    monkeypatch.setenv(prompt_attention.SWITCH_ENV, "1")  # for the fixture's teardown

@@ -22,7 +22,7 @@ the operations around it:
   AMX tiles, PyTorch's flash SDPA (grouped heads, its blocks multiplied on the tiles) is faster and takes it.
 
 Text prompts are prefilled through it too (`prefill`, and `PromptChunk`s beside a step), whole or after their cached
-start, each on a cache of its own, their attention on the AMX tiles where built (`prompt_attention`); images, LoRA
+start, each on a cache of its own, their attention on the AMX tiles when asked for (`prompt_attention`); images, LoRA
 adapters (peft replaces the Linears), scored prompts and other architectures keep transformers' forward:
 `FastDecode.for_model` says None for a model whose decoder layers it does not cover. Where every Linear is on the
 tiles, a step of decode rows alone runs its layers in one C call (`decode_layers`). What this step gains, and what

@@ -5,14 +5,19 @@ PyTorch's flash SDPA takes ~0.5 ms per 124-token prompt and layer of SmolLM2 on 
 of a 16-prompt wave's prefill (docs/performance.md, "Prompt attention on the tiles"); this kernel computes what it
 computes (scores and weighted values summed in float32 on the tiles, the softmax in float32, its weights rounded to
 bf16 before they weigh the values, one rounding of the output) in a fraction of that. Its exponential is not
-PyTorch's, so outputs may differ from SDPA's in the last bf16 bit. `RAYRUNNER_PROMPT_ATTENTION=0` turns it off;
-CPUs without AMX, or without a compiler, keep SDPA.
+PyTorch's, so outputs may differ from SDPA's in the last bf16 bit, and a prompt's logits then differ from
+transformers' own prefill by up to a bf16 rounding (a first token's logprob by ~0.1 at SmolLM2's logit sizes): it
+is off unless `RAYRUNNER_PROMPT_ATTENTION=1` is in the cluster's environment, for deployments that take a faster
+prefill over logits equal to transformers'. What would make it the default: PyTorch's exponential (`exp_u20`) and
+the order of its softmax's sum, so that its outputs are SDPA's to the bit. CPUs without AMX, or without a
+compiler, keep SDPA.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -27,9 +32,9 @@ HEAD_DIMS = (64, 128)  # what the kernel is built for
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The kernel, built if needed and loaded; None when switched off, on CPUs without AMX tiles, or not buildable
-    here."""
-    if not amx_tiles():
+    """The kernel, built if needed and loaded; None unless switched on, on CPUs without AMX tiles, or where it cannot
+    be built."""
+    if os.environ.get(SWITCH_ENV, "0").strip() != "1" or not amx_tiles():  # opt-in: see the module docstring
         return None
     pointer, i64 = native_build.POINTER, native_build.I64
     lib = native_build.load(SOURCE, SWITCH_ENV, {
