@@ -77,26 +77,24 @@ def _kernels() -> _Kernels:
 class LayerDriver:
     """The decoder layers of a `FastDecode`'s model, run by `decode_layers.c` (see the module docstring)."""
 
-    def __init__(self, layers: list[Any], final_norm: Any, config: Any) -> None:
+    def __init__(self, layers: list[Any], final_norm: Any, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int) -> None:
         self.layers, self.final_norm = layers, final_norm
-        self.heads, self.kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
-        self.dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
-        self.hidden_size, self.intermediate = int(config.hidden_size), int(config.intermediate_size)
+        self.heads, self.kv_heads, self.dim, self.intermediate = heads, kv_heads, head_dim, intermediate
+        self.hidden_size = int(final_norm.weight.shape[0])
         self.scale = float(layers[0].scaling)
         self._array = (_Layer * len(layers))()
 
     @classmethod
-    def for_fast(cls, layers: list[Any], final_norm: Any, config: Any, windows: list[int | None]) -> LayerDriver | None:
-        """A driver for the fast step's `layers` (its `_Layer`s), or None where the C step does not apply: the
-        library not built, sliding windows, query/key norms, an activation other than SiLU, norms not in bf16, or
-        SiLU's fused kernel not vectorized here."""
-        lib = library()
-        if lib is None or any(window is not None for window in windows) or not layers:
+    def for_fast(cls, layers: list[Any], final_norm: Any, windows: list[int | None], heads: int, kv_heads: int,
+                 head_dim: int, intermediate: int) -> LayerDriver | None:
+        """A driver for the fast step's `layers` (its `_Layer`s, with `heads` query and `kv_heads` KV heads of
+        `head_dim`), or None where the C step does not apply: the library not built, sliding windows, query/key
+        norms, an activation other than SiLU, norms not in bf16, or SiLU's fused kernel not vectorized here."""
+        if library() is None or any(window is not None for window in windows) or not layers:
             return None
         sample = torch.zeros(1, dtype=torch.bfloat16)
-        group = int(config.num_attention_heads) // int(config.num_key_value_heads)
-        dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-        if not (fused_ops.fuses_silu(sample) and decode_attention.attends(sample, group, dim)):
+        if not (fused_ops.fuses_silu(sample) and decode_attention.attends(sample, heads // kv_heads, head_dim)):
             return None
         for layer in layers:
             act = type(layer.act)
@@ -106,7 +104,7 @@ class LayerDriver:
                 return None
         if final_norm.weight.dtype != torch.bfloat16:
             return None
-        return cls(layers, final_norm, config)
+        return cls(layers, final_norm, heads, kv_heads, head_dim, intermediate)
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor,
             batch: BatchCache) -> torch.Tensor | None:
@@ -118,10 +116,8 @@ class LayerDriver:
         if lib is None or hidden.dtype != torch.bfloat16 or not self._weights_on_tiles():
             return None
         rows, length, heads, kv, dim = hidden.shape[0], batch.length, self.heads, self.kv_heads, self.dim
-        keep = []  # the rooms and scratch, alive until the call returns
         for index, entry in enumerate(self._array):
-            keys, values = batch.reserve(index)
-            keep += [keys, values]
+            keys, values = batch.reserve(index)  # views of the batch's room, which holds them
             entry.keys, entry.values = keys.data_ptr(), values.data_ptr()
             entry.kv_row_stride, entry.kv_head_stride = keys.stride(0), keys.stride(1)
         empty = functools.partial(torch.empty, dtype=torch.bfloat16)

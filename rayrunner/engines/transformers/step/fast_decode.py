@@ -76,7 +76,8 @@ class FastDecode:
             _share(layer.mlp, GATE_UP)
         self.layers = [_Layer(layer) for layer in decoder.layers[: config.num_hidden_layers]]
         self.windows = layer_windows(config)
-        self.driver = LayerDriver.for_fast(self.layers, decoder.norm, config, self.windows)  # the layers in C
+        self.driver = LayerDriver.for_fast(self.layers, decoder.norm, self.windows, self.heads, self.kv_heads,
+                                           self.head_dim, self.intermediate)  # the layers in one C call
 
     @classmethod
     def for_model(cls, model: Any) -> FastDecode | None:

@@ -76,29 +76,19 @@ typedef struct {
     int64_t out_row_stride;
 } prompt_call;
 
-#define KEY_BLOCK(J, B, C)                                                                                           \
-    if (J < n) {                                                                                                     \
-        _tile_loadd(B, keys + ((b + J) * dim_blocks + d) * 256, 64);                                                 \
-        _tile_dpbf16ps(C, 0, B);                                                                                     \
-    }
-#define STORE_BLOCK(J, C) if (J < n) _tile_stored(C, scores + (b + J) * 16, stride * 4);
-
-/* Scores of 16 query tokens (`q`: 16 rows of `dim`, a row every `q_stride`) against `keys` key blocks of 16, into scores (a row every
-   `stride` floats): four key blocks at a time, into four sum tiles, so that the tiles' multiplies overlap. */
-static void block_scores(const uint16_t *q, int64_t q_stride, int64_t dim, const uint32_t *keys,
-                         int64_t key_blocks, float *scores, int64_t stride) {
+/* Scores of 16 query tokens (`q`: 16 rows of `dim`) against `key_blocks` blocks of 16 laid-out `keys`, into scores
+   (a row every `stride` floats). */
+static void block_scores(const uint16_t *q, int64_t dim, const uint32_t *keys, int64_t key_blocks, float *scores,
+                         int64_t stride) {
     int64_t dim_blocks = dim / 32;
-    for (int64_t b = 0; b < key_blocks; b += 4) {
-        int64_t n = key_blocks - b < 4 ? key_blocks - b : 4;
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_zero(6);
-        _tile_zero(7);
+    for (int64_t b = 0; b < key_blocks; b++) {
+        _tile_zero(2);
         for (int64_t d = 0; d < dim_blocks; d++) {
-            _tile_loadd(0, q + d * 32, q_stride * 2);
-            KEY_BLOCK(0, 1, 4) KEY_BLOCK(1, 2, 5) KEY_BLOCK(2, 3, 6) KEY_BLOCK(3, 1, 7)
+            _tile_loadd(0, q + d * 32, dim * 2);
+            _tile_loadd(1, keys + (b * dim_blocks + d) * 256, 64);
+            _tile_dpbf16ps(2, 0, 1);
         }
-        STORE_BLOCK(0, 4) STORE_BLOCK(1, 5) STORE_BLOCK(2, 6) STORE_BLOCK(3, 7)
+        _tile_stored(2, scores + b * 16, stride * 4);
     }
 }
 
@@ -116,10 +106,10 @@ static void weigh_values(const uint16_t *weights, int64_t stride, int64_t blocks
         _tile_loadd(0, weights + b * 32, stride * 2);
         _tile_loadd(1, tiles, 64);
         _tile_dpbf16ps(4, 0, 1);
-        _tile_loadd(2, tiles + TILE_ELEMENTS, 64);
-        _tile_dpbf16ps(5, 0, 2);
-        _tile_loadd(3, tiles + 2 * TILE_ELEMENTS, 64);
-        _tile_dpbf16ps(6, 0, 3);
+        _tile_loadd(1, tiles + TILE_ELEMENTS, 64);
+        _tile_dpbf16ps(5, 0, 1);
+        _tile_loadd(1, tiles + 2 * TILE_ELEMENTS, 64);
+        _tile_dpbf16ps(6, 0, 1);
         _tile_loadd(1, tiles + 3 * TILE_ELEMENTS, 64);
         _tile_dpbf16ps(7, 0, 1);
     }
@@ -134,16 +124,12 @@ static void weigh_values(const uint16_t *weights, int64_t stride, int64_t blocks
 static void block_scores_of(const prompt_call *call, int64_t head, int64_t first, const uint32_t *keys,
                             float *scores) {
     int64_t dim = call->dim, rows = call->tokens - first < 16 ? call->tokens - first : 16;
-    int64_t positions = call->start + first + rows, key_blocks = round_up(positions, 16) / 16;
-    const uint16_t *query = call->query + first * call->query_row_stride + head * dim;
-    if (rows == 16) { /* the tiles read the tokens' rows where they are */
-        block_scores(query, call->query_row_stride, dim, keys, key_blocks, scores, round_up(positions, 32));
-        return;
-    }
-    uint16_t q[16 * 128]; /* the prompt's last tokens, padded to 16 rows */
+    int64_t positions = call->start + first + rows;
+    uint16_t q[16 * 128]; /* the tokens' queries, padded to 16 rows */
     memset(q, 0, sizeof(uint16_t) * 16 * (size_t)dim);
-    for (int64_t r = 0; r < rows; r++) memcpy(q + r * dim, query + r * call->query_row_stride, (size_t)dim * 2);
-    block_scores(q, dim, dim, keys, key_blocks, scores, round_up(positions, 32));
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(q + r * dim, call->query + (first + r) * call->query_row_stride + head * dim, (size_t)dim * 2);
+    block_scores(q, dim, keys, round_up(positions, 16) / 16, scores, round_up(positions, 32));
 }
 
 /* The softmax of the tokens [first, first + 16) over their `scores` (causal: each up to its own position): its
@@ -191,20 +177,15 @@ static void block_output(const prompt_call *call, int64_t head, int64_t first, c
     }
 }
 
-/* Query head `head` over its KV head's laid-out keys and values, 16 tokens at a time, in three stages a block
-   behind each other (scores, softmax, output), so that what the tiles store is read back, and what the softmax
-   writes is loaded into the tiles, a stage later, not at once. `scores` and `weights` hold two blocks each (16
-   rows of `width` a block). */
+/* Query head `head` over its KV head's laid-out keys and values, 16 tokens at a time; `scores` and `weights` hold
+   16 rows of `width` each. */
 static void attend_head(const prompt_call *call, int64_t head, const uint32_t *keys, const uint16_t *values,
-                        float *scores, uint16_t *weights, int64_t width) {
-    int64_t blocks = (call->tokens + 15) / 16, size = 16 * width;
-    float inverse[2][16];
-    block_scores_of(call, head, 0, keys, scores);
-    for (int64_t b = 0; b <= blocks; b++) {
-        if (b + 1 < blocks) block_scores_of(call, head, (b + 1) * 16, keys, scores + (b + 1) % 2 * size);
-        if (b < blocks) block_softmax(call, b * 16, scores + b % 2 * size, weights + b % 2 * size, inverse[b % 2]);
-        if (b > 0)
-            block_output(call, head, (b - 1) * 16, values, weights + (b - 1) % 2 * size, inverse[(b - 1) % 2]);
+                        float *scores, uint16_t *weights) {
+    float inverse[16];
+    for (int64_t first = 0; first < call->tokens; first += 16) {
+        block_scores_of(call, head, first, keys, scores);
+        block_softmax(call, first, scores, weights, inverse);
+        block_output(call, head, first, values, weights, inverse);
     }
 }
 
@@ -231,8 +212,8 @@ int prompt_attention(const uint16_t *query, int64_t query_row_stride, int64_t to
             lay_out_values(values + h * kv_head_stride, positions, dim,
                            (uint16_t *)(laid + kv_heads * key_bytes + h * value_bytes));
         }
-        float *scores = malloc(sizeof(float) * 2 * 16 * (size_t)width);
-        uint16_t *weights = malloc(2 * 2 * 16 * (size_t)width);
+        float *scores = malloc(sizeof(float) * 16 * (size_t)width);
+        uint16_t *weights = malloc(2 * 16 * (size_t)width);
         if (!scores || !weights) failed = 1;
         configure();
 #pragma omp for schedule(dynamic)
@@ -240,8 +221,7 @@ int prompt_attention(const uint16_t *query, int64_t query_row_stride, int64_t to
             int64_t h = head / group;
             if (scores && weights)
                 attend_head(&call, head, (const uint32_t *)(laid + h * key_bytes),
-                            (const uint16_t *)(laid + kv_heads * key_bytes + h * value_bytes), scores, weights,
-                            width);
+                            (const uint16_t *)(laid + kv_heads * key_bytes + h * value_bytes), scores, weights);
         }
         _tile_release();
         free(scores), free(weights);

@@ -1,10 +1,10 @@
 """The causal attention of a prompt's tokens on the CPU's AMX tiles, compiled from `prompt_attention.c` on first use
 (`native_build`): for whole prompts and chunks fed through the fast step (`PromptChunk`) in bf16.
 
-PyTorch's flash SDPA takes ~0.5 ms per 124-token prompt and layer of SmolLM2 on one Sapphire Rapids core, a quarter
-of a 16-prompt wave's prefill (docs/performance.md, "Prompt attention on the tiles"); this kernel computes what it
-computes (scores and weighted values summed in float32 on the tiles, the softmax in float32, its weights rounded to
-bf16 before they weigh the values, one rounding of the output) in a fraction of that. Its exponential is not
+PyTorch's flash SDPA takes 0.3-0.4 ms per 124-token prompt and layer of SmolLM2 on one Sapphire Rapids core, about
+a fifth of a 16-prompt wave's prefill (docs/performance.md, "Prompt attention on the tiles"); this kernel computes
+what it computes (scores and weighted values summed in float32 on the tiles, the softmax in float32, its weights
+rounded to bf16 before they weigh the values, one rounding of the output) in under half of that. Its exponential is not
 PyTorch's, so outputs may differ from SDPA's in the last bf16 bit, and a prompt's logits then differ from
 transformers' own prefill by up to a bf16 rounding (a first token's logprob by ~0.1 at SmolLM2's logit sizes): it
 is off unless `RAYRUNNER_PROMPT_ATTENTION=1` is in the cluster's environment, for deployments that take a faster
