@@ -12,7 +12,7 @@ import torch
 from rayrunner.engines.transformers.step import decode_attention
 from rayrunner.engines.transformers.step.fast_decode import FastDecode
 from rayrunner.runtime import native_build
-from tests.engines.test_fast_decode import _decode, _model, _relative
+from tests.engines.test_fast_decode import _calls, _decode, _model, _relative
 from tests.tiny_models import build_kernel_llama
 
 needs_attention = pytest.mark.skipif(
@@ -81,9 +81,7 @@ def test_a_bf16_step_with_the_fused_attention_decodes_as_transformers(tmp_path: 
     model = _model(build_kernel_llama(tmp_path), torch.bfloat16)
     fast = FastDecode.for_model(model)
     assert fast is not None
-    calls: list[int] = []
-    attention = decode_attention.decode_attention
-    monkeypatch.setattr(decode_attention, "decode_attention", lambda *args: calls.append(1) or attention(*args))
+    calls = _calls(monkeypatch, decode_attention, "decode_attention")
     got, _ = _decode(model, fast, steps=6)
     assert len(calls) == 6 * 2  # every step, every layer
     want, _ = _decode(model, None, steps=6)  # transformers' forward

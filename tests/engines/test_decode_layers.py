@@ -5,8 +5,6 @@ Skipped without a C compiler or on CPUs without AMX tiles."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from rayrunner.engines.transformers.kv.kv_batch import BatchCache, _layers, new_
 from rayrunner.engines.transformers.step import decode_layers
 from rayrunner.engines.transformers.step.fast_decode import FastDecode, PromptChunk
 from rayrunner.quantization import packed_linear
-from tests.engines.test_fast_decode import PROMPTS, _decode, _model, _prefilled, _relative
+from tests.engines.test_fast_decode import PROMPTS, _calls, _decode, _model, _prefilled, _relative
 from tests.tiny_models import build_kernel_llama
 
 needs_driver = pytest.mark.skipif(decode_layers.library() is None,
@@ -34,20 +32,6 @@ def _packed(folder: str) -> tuple[torch.nn.Module, FastDecode]:
     return model, fast
 
 
-def _counted(fast: FastDecode, monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """What each of the driver's `run` calls returns from now on (None: it left the step to Python)."""
-    assert fast.driver is not None
-    results: list[object] = []
-    run = fast.driver.run
-
-    def counted(*args: Any) -> torch.Tensor | None:
-        results.append(result := run(*args))
-        return result
-
-    monkeypatch.setattr(fast.driver, "run", counted)
-    return results
-
-
 def _without_driver(fast: FastDecode) -> FastDecode:
     fast.driver = None
     return fast
@@ -61,7 +45,7 @@ def test_the_layers_in_c_decode_as_the_python_step_to_the_bit(llama_dir: str, th
     torch.set_num_threads(threads)
     try:
         model, fast = _packed(llama_dir)
-        calls = _counted(fast, monkeypatch)
+        calls = _calls(monkeypatch, fast.driver, "run")
         got, got_cache = _decode(model, fast, steps=40)  # past the room reserved after the prefill: it grows
         assert len(calls) == 40 and None not in calls
         want, want_cache = _decode(model, _without_driver(_packed(llama_dir)[1]), steps=40)
@@ -87,7 +71,7 @@ def test_the_layers_in_c_decode_as_transformers_within_bf16_rounding(llama_dir: 
 def test_prompts_beside_the_rows_and_unpacked_weights_keep_the_python_step(llama_dir: str,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     model, fast = _packed(llama_dir)
-    calls = _counted(fast, monkeypatch)
+    calls = _calls(monkeypatch, fast.driver, "run")
     batch = _prefilled(model)
     ids = torch.tensor([[prompt[-1]] for prompt in PROMPTS])
     empty = BatchCache(new_cache(model.config), torch.zeros((1, 0), dtype=torch.long))
@@ -103,7 +87,7 @@ def test_int8_weights_keep_the_python_step(llama_dir: str, monkeypatch: pytest.M
     int8 = _model(llama_dir, torch.bfloat16, "Q8_0")
     fast = FastDecode.for_model(int8)
     assert fast is not None and fast.driver is not None  # the layers' kinds fit...
-    calls = _counted(fast, monkeypatch)
+    calls = _calls(monkeypatch, fast.driver, "run")
     got, _ = _decode(int8, fast, steps=3)
     assert calls == [None, None, None]  # ...but the weights are not on the tiles: the Python step ran
     want, _ = _decode(int8, _without_driver(fast), steps=3)

@@ -5,6 +5,7 @@ share one tensor per layer."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -78,6 +79,19 @@ def _decode(model: torch.nn.Module, fast: FastDecode | None, steps: int) -> tupl
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
+
+
+def _calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[Any]:
+    """What each call of `owner.name` returns from now on (the calls still run it)."""
+    results: list[Any] = []
+    function = getattr(owner, name)
+
+    def recorded(*args: Any) -> Any:
+        results.append(result := function(*args))
+        return result
+
+    monkeypatch.setattr(owner, name, recorded)
+    return results
 
 
 def _qwen3() -> torch.nn.Module:

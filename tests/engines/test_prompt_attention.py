@@ -17,7 +17,7 @@ from rayrunner.engines.transformers.step import prompt_attention
 from rayrunner.engines.transformers.step.fast_decode import FastDecode, PromptChunk
 from rayrunner.quantization.cpu_gemm import amx_tiles
 from rayrunner.runtime import native_build
-from tests.engines.test_fast_decode import _model, _relative
+from tests.engines.test_fast_decode import _calls, _model, _relative
 from tests.tiny_models import build_kernel_llama
 
 needs_tiles = pytest.mark.skipif(native_build.compiler() is None or not amx_tiles(),
@@ -102,9 +102,7 @@ def test_a_bf16_prefill_with_the_tiles_answers_as_transformers(tmp_path: Path,
     model = _model(build_kernel_llama(tmp_path), torch.bfloat16)
     fast = FastDecode.for_model(model)
     assert fast is not None
-    calls: list[int] = []
-    kernel = prompt_attention.prompt_attention
-    monkeypatch.setattr(prompt_attention, "prompt_attention", lambda *args: calls.append(1) or kernel(*args))
+    calls = _calls(monkeypatch, prompt_attention, "prompt_attention")
     prompts = [[(7 * t + 3) % 60 + 2 for t in range(40)], [(5 * t + 1) % 60 + 2 for t in range(23)]]
 
     def empty() -> BatchCache:
