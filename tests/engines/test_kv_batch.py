@@ -125,3 +125,31 @@ def test_a_batch_mostly_gone_or_a_longer_prompt_moves_into_new_tensors() -> None
     twin.keep([4])
     _same(batch, twin)
     assert batch.cache.layers[0].keys.data_ptr() != place and batch.cache.layers[0].keys.shape[0] == 1
+
+
+def test_caches_merged_at_once_hold_what_merging_them_one_by_one_holds() -> None:
+    """Prompts prefilled side by side join in one copy of each (`merge(*others)`), padded on the left as `merge`
+    pads one."""
+    sizes = [(2, 5), (1, 3), (3, 7), (1, 1)]
+    at_once, one_by_one = ([_filled(rows, length, seed) for seed, (rows, length) in enumerate(sizes)] for _ in "ab")
+    at_once[0].merge(*at_once[1:])
+    for other in one_by_one[1:]:
+        one_by_one[0].merge(other)
+    assert torch.equal(at_once[0].mask, one_by_one[0].mask) and at_once[0].mask.shape == (7, 7)
+    for mine, theirs in zip(at_once[0].cache.layers, one_by_one[0].cache.layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+def test_a_rows_kv_is_copied_from_after_its_padding() -> None:
+    """`row_kv(row)(start, end)`: every layer's keys and values of the row's real tokens start to end, stacked, in
+    storage of their own (a block kept in the prefix cache holds only its bytes)."""
+    batch = _filled(1, 6, seed=3)
+    batch.merge(_filled(1, 9, seed=4))  # row 0 now has 3 positions of left padding
+    kv = batch.row_kv(0)
+    first, second = kv(1, 3), kv(3, 6)
+    layers = batch.cache.layers
+    for start, end, got in ((1, 3, first), (3, 6, second)):
+        want = torch.stack([torch.stack([layer.keys[0, :, 3 + start: 3 + end], layer.values[0, :, 3 + start: 3 + end]])
+                            for layer in layers])
+        assert torch.equal(got, want) and got.is_contiguous() and got.untyped_storage().nbytes() == got.nbytes
+    assert torch.equal(kv(0, 2)[:, :, :, 1:], first[:, :, :, :1])  # an earlier start gathers again

@@ -96,8 +96,8 @@ def test_blocks_stay_within_the_budget(tiny_llama_dir: str, tokenizer: Any, loop
     assert 0 < scheduler.memory.prefix.nbytes <= budget
 
 
-def _kv(start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(torch.full((1, end - start, 2), float(start)), torch.full((1, end - start, 2), float(start)))]
+def _kv(start: int, end: int) -> torch.Tensor:
+    return torch.full((1, 2, 1, end - start, 2), float(start))
 
 
 def test_prefix_cache_finds_the_longest_start_per_adapter_and_drops_a_prefix_from_its_end() -> None:

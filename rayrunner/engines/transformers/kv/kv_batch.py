@@ -28,6 +28,7 @@ padding (which this trims), or when the joining prompt is longer. Figures: docs/
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import torch
@@ -72,8 +73,7 @@ def recurrent(config: object) -> bool:
 
 def merged(caches: list[BatchCache]) -> BatchCache:
     """The first of `caches` with the others' rows appended (`BatchCache.merge`), in order."""
-    for cache in caches[1:]:
-        caches[0].merge(cache)
+    caches[0].merge(*caches[1:])
     return caches[0]
 
 
@@ -113,12 +113,22 @@ class BatchCache:
         return room is not None and bool(layers) and room[0].data_ptr() == layers[0].keys.data_ptr() \
             and room[0].shape[2] > self.length
 
-    def row_kv(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copies of row `row`'s keys and values for its real tokens `start` to `end` (after its left padding),
-        per layer [kv_heads, end - start, head_dim]."""
-        first = self.length - int(self.mask[row].sum()) + start
-        return [(layer.keys[row, :, first: first + end - start].clone(),
-                 layer.values[row, :, first: first + end - start].clone()) for layer in _layers(self.cache)]
+    def row_kv(self, row: int) -> Callable[[int, int], torch.Tensor]:
+        """Copies of row `row`'s keys and values, every layer's, for its real tokens `start` to `end` (after its
+        left padding) [layers, 2, kv_heads, end - start, head_dim], asked for in increasing order: the first ask
+        gathers the layers from its `start` to the row's end in one copy, each ask copies its part of that."""
+        padding = self.length - int(self.mask[row].sum())
+        gathered: list[tuple[int, torch.Tensor]] = []  # (the first real token it holds, every layer's kv from it)
+
+        def kv(start: int, end: int) -> torch.Tensor:
+            if not gathered or start < gathered[0][0]:
+                parts = [part for layer in _layers(self.cache)
+                         for part in (layer.keys[row, :, padding + start:], layer.values[row, :, padding + start:])]
+                gathered[:] = [(start, torch.stack(parts).unflatten(0, (-1, 2)))]
+            first, layers = gathered[0]
+            return layers[:, :, :, start - first: end - first].clone()
+
+        return kv
 
     def next_positions(self) -> torch.Tensor:
         """Each row's position for the token it feeds next: the count of its real cached tokens."""
@@ -163,22 +173,24 @@ class BatchCache:
         keys, values = self._room[index]
         layer.keys, layer.values = keys[:rows, :, : length + 1], values[:rows, :, : length + 1]
 
-    def merge(self, other: BatchCache) -> None:
-        """Append `other`'s rows, left-padding whichever side is shorter: written into free rows of the room when
-        it has them and `other` is not longer, else by concatenating every layer."""
-        if self._merge_in_room(other):
+    def merge(self, *others: BatchCache) -> None:
+        """Append the rows of `others`, in order, left-padding the shorter ones: one cache is written into free
+        rows of the room when it has them and is not longer; else every layer is copied once into new tensors."""
+        if len(others) == 1 and self._merge_in_room(others[0]):
             return
-        length = max(self.length, other.length)
-        for mine, theirs in zip(_any_layers(self.cache), _any_layers(other.cache), strict=True):
+        caches = [self, *others]
+        length = max(cache.length for cache in caches)
+        for layers in zip(*(_any_layers(cache.cache) for cache in caches), strict=True):
+            mine = layers[0]
             if _holds_kv(mine):
-                mine.keys = torch.cat([_pad_left(mine.keys, length), _pad_left(theirs.keys, length)], dim=0)
-                mine.values = torch.cat([_pad_left(mine.values, length), _pad_left(theirs.values, length)], dim=0)
-            for states, their_states in _states(mine, theirs):
-                for index, state in states.items():
-                    theirs_state = their_states[index]
-                    if state is not None and theirs_state is not None:
-                        states[index] = torch.cat([state, theirs_state], dim=0)
-        self.mask = torch.cat([_pad_left(self.mask, length), _pad_left(other.mask, length)], dim=0)
+                mine.keys = _stacked([layer.keys for layer in layers], length)
+                mine.values = _stacked([layer.values for layer in layers], length)
+            for states in _states(*layers):
+                for index in list(states[0]):
+                    parts = [part for their_states in states if (part := their_states[index]) is not None]
+                    if len(parts) == len(states):
+                        states[0][index] = torch.cat(parts, dim=0)
+        self.mask = _stacked([cache.mask for cache in caches], length)
         self._room.clear()  # the layers hold new tensors: the old room is let go now, not at the next append
 
     def keep(self, rows: list[int]) -> None:
@@ -307,6 +319,22 @@ def _reserved(cached: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
     room[:, :, :length] = cached
     room[:, :, length:].zero_()  # attention reads the room past the cached positions: zeros, never stale values
     return room
+
+
+def _stacked(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
+    """`tensors` one after another along their rows (dim 0), each zero-padded at the front of its sequence dimension
+    (-2 for keys/values, -1 for a mask) to `length`: one copy of each, however many there are."""
+    dim = 1 if tensors[0].dim() == 2 else 2
+    shape = list(tensors[0].shape)
+    shape[0], shape[dim] = sum(int(tensor.shape[0]) for tensor in tensors), length
+    out = tensors[0].new_empty(shape)
+    row = 0
+    for tensor in tensors:
+        rows, pad = int(tensor.shape[0]), length - int(tensor.shape[dim])
+        out[row: row + rows].narrow(dim, 0, pad).zero_()
+        out[row: row + rows].narrow(dim, pad, length - pad).copy_(tensor)
+        row += rows
+    return out
 
 
 def _pad_left(tensor: torch.Tensor, length: int) -> torch.Tensor:

@@ -26,14 +26,14 @@ from transformers import DynamicCache
 
 BLOCK = 16  # tokens per block
 
-LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values [kv_heads, positions, head_dim]
+BlockKV = torch.Tensor  # one block's keys and values, every layer's: [layers, 2, kv_heads, positions, head_dim]
 
 
 @dataclass(frozen=True)
 class _Block:
     parent: Hashable
     tokens: tuple[int, ...]
-    kv: LayerKV
+    kv: BlockKV
     nbytes: int
 
 
@@ -48,7 +48,7 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def lookup(self, ids: list[int], namespace: Hashable) -> list[LayerKV]:
+    def lookup(self, ids: list[int], namespace: Hashable) -> list[BlockKV]:
         """The cached blocks `ids` starts with (most: all but its last token), first to last; touched as used."""
         found: list[tuple[Hashable, _Block]] = []
         for key, parent, tokens in _keys(ids[:-1], namespace):
@@ -59,7 +59,7 @@ class PrefixCache:
         self._touch([key for key, _ in found])
         return [block.kv for _, block in found]
 
-    def store(self, ids: list[int], namespace: Hashable, kv_of: Callable[[int, int], LayerKV],
+    def store(self, ids: list[int], namespace: Hashable, kv_of: Callable[[int, int], BlockKV],
               room: Callable[[int], bool]) -> None:
         """Keep the full blocks of `ids` not yet cached; `kv_of(start, end)` copies those positions' keys and
         values, `room(nbytes)` makes room in the KV budget or says there is none (then the rest is not kept)."""
@@ -69,7 +69,7 @@ class PrefixCache:
             block = self._blocks.get(key)
             if block is None or block.parent != parent or block.tokens != tokens:
                 kv = kv_of(index * BLOCK, (index + 1) * BLOCK)
-                nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
+                nbytes = kv.nbytes
                 if not room(nbytes):
                     break
                 self._drop(key)
@@ -106,13 +106,12 @@ class PrefixCache:
         return block.nbytes
 
 
-def cache_of(blocks: list[LayerKV]) -> DynamicCache:
+def cache_of(blocks: list[BlockKV]) -> DynamicCache:
     """A one-row cache holding `blocks` one after another."""
     cache = DynamicCache()
-    for layer in range(len(blocks[0])):
-        keys = torch.cat([block[layer][0] for block in blocks], dim=1)[None]
-        values = torch.cat([block[layer][1] for block in blocks], dim=1)[None]
-        cache.update(keys, values, layer)
+    kv = torch.cat(blocks, dim=3)
+    for layer in range(kv.shape[0]):
+        cache.update(kv[layer, 0][None], kv[layer, 1][None], layer)
     return cache
 
 

@@ -14,7 +14,6 @@ full blocks of a sequence's tokens left in the prefix cache. Which sequences, ch
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ from rayrunner.engines.lora import LoraAdapters
 from rayrunner.engines.transformers.kv.kv_batch import BatchCache, merged, new_cache
 from rayrunner.engines.transformers.kv.kv_budget import BatchShape
 from rayrunner.engines.transformers.kv.kv_memory import KvMemory, cache_bytes
-from rayrunner.engines.transformers.kv.prefix_cache import BLOCK, LayerKV, cache_of
+from rayrunner.engines.transformers.kv.prefix_cache import BLOCK, BlockKV, cache_of
 from rayrunner.engines.transformers.step.fast_decode import FastDecode, PromptChunk
 from rayrunner.engines.transformers.step.sampling import Logprob, logprobs_of, sample
 from rayrunner.engines.transformers.step.sequence import Sequence
@@ -47,7 +46,7 @@ class ModelRunner:
         self.fast_decode: FastDecode | None = None  # set by `StepScheduler.start`, on the compute thread
         self.batch: BatchCache | None = None  # the running sequences' cache
         self.chunk: BatchCache | None = None  # the cache of the prompt being chunked
-        self._found: dict[int, list[LayerKV]] = {}  # by id(sequence): cached blocks its prompt starts with
+        self._found: dict[int, list[BlockKV]] = {}  # by id(sequence): cached blocks its prompt starts with
 
     # ------------------------------------------------------------ figures for the planner
 
@@ -244,7 +243,7 @@ class ModelRunner:
         held = held_after_step() + (cache_bytes(cache.cache) if cache is not self.batch else 0)
         for row, sequence in kept:
             ids = (sequence.prompt_ids + sequence.output_ids)[: int(cache.mask[row].sum())]
-            prefix.store(ids, sequence.namespace, functools.partial(cache.row_kv, row),
+            prefix.store(ids, sequence.namespace, cache.row_kv(row),
                          lambda nbytes: self.memory.make_room(held + nbytes))
 
     def drop_row(self, index: int) -> None:
