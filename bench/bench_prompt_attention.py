@@ -9,7 +9,6 @@ Run:  .venv/bin/python bench/bench_prompt_attention.py [--prompts 15] [--prompt-
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -27,7 +26,7 @@ def tiles_or_sdpa(tiles: bool) -> Iterator[None]:
     """Prompts' attention on the tiles (`tiles`) or through SDPA, within the block."""
     attends = prompt_attention.attends
     if not tiles:
-        prompt_attention.attends = lambda query, heads, kv_heads, head_dim: False  # type: ignore[assignment]
+        prompt_attention.attends = lambda query, heads, kv_heads, head_dim, positions: False  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -59,8 +58,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    os.environ[prompt_attention.SWITCH_ENV] = "1"  # the kernel is opt-in
-    prompt_attention.library.cache_clear()
     if prompt_attention.library() is None:
         raise SystemExit("the prompt attention is not built here (no AMX tiles, or no C compiler)")
     print(cpu_line())

@@ -1,11 +1,11 @@
 """The prompt attention on AMX tiles (`prompt_attention`): causal attention of whole prompts and of chunks after
-cached positions within one bf16 rounding of float32 attention, as near to it as PyTorch's SDPA, the same on one
-thread and two; refused cleanly; and a bf16 prefill through the fast step with it answering as transformers' does.
-Skipped without a C compiler or on CPUs without AMX tiles."""
+cached positions within one bf16 rounding of float32 attention, PyTorch's SDPA's outputs to the bit but for rare
+last bits, the same on one thread and two; refused cleanly (past one block of keys too); and a bf16 prefill
+through the fast step with it answering as transformers' does. Skipped without a C compiler or on CPUs without AMX
+tiles."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,16 +22,6 @@ from tests.tiny_models import build_kernel_llama
 
 needs_tiles = pytest.mark.skipif(native_build.compiler() is None or not amx_tiles(),
                                  reason="the prompt attention needs a C compiler and a CPU with AMX tiles")
-
-
-@pytest.fixture(autouse=True)
-def switched_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The kernel is opt-in (`RAYRUNNER_PROMPT_ATTENTION=1`): these tests switch it on, and off again after."""
-    monkeypatch.setenv(prompt_attention.SWITCH_ENV, "1")
-    prompt_attention.library.cache_clear()
-    yield
-    monkeypatch.delenv(prompt_attention.SWITCH_ENV)
-    prompt_attention.library.cache_clear()
 
 
 def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
@@ -73,15 +63,19 @@ def test_prompt_attention_is_float32_attention_within_bf16_rounding(tokens: int,
     sdpa = _attention(query, keys, values, start, torch.bfloat16).float()
     # the weights rounded to bf16 (as SDPA rounds them) and one rounding of the output: SDPA's error, no more
     assert (got.float() - exact).abs().max() <= (sdpa - exact).abs().max() * 1.25 + 1e-6
-    assert (got.float() == sdpa).float().mean() > 0.85  # most outputs SDPA's to the bit
+    # SDPA's softmax to the bit (measured: all but about one output in 20,000, where oneDNN sums the weighted values
+    # in another order, one bf16 step apart)
+    assert (got.float() != sdpa).float().mean() < 1e-3
     assert torch.equal(_run(query, keys, values, start, threads=2), got)
 
 
 @needs_tiles
 def test_prompt_attention_refuses_what_it_was_not_built_for() -> None:
     bf16 = torch.zeros(2, 3, 64, dtype=torch.bfloat16)
-    assert not prompt_attention.attends(bf16, 3, 1, 96) and not prompt_attention.attends(bf16, 3, 2, 64)
-    assert not prompt_attention.attends(bf16.float(), 3, 1, 64)  # float32 keeps SDPA
+    assert not prompt_attention.attends(bf16, 3, 1, 96, 2) and not prompt_attention.attends(bf16, 3, 2, 64, 2)
+    assert not prompt_attention.attends(bf16.float(), 3, 1, 64, 2)  # float32 keeps SDPA
+    assert prompt_attention.attends(bf16, 3, 1, 64, prompt_attention.KEY_BLOCK)
+    assert not prompt_attention.attends(bf16, 3, 1, 64, prompt_attention.KEY_BLOCK + 1)  # SDPA's softmax in blocks
     keys = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="keys"):
         prompt_attention.prompt_attention(bf16, keys, keys, 1, 0.125)  # 2 tokens after 1 need 3 positions
@@ -146,10 +140,13 @@ def test_a_prompt_after_its_cached_start_gets_its_whole_prefills_logits_to_the_b
     assert torch.equal(whole, after)
 
 
-def test_the_kernel_is_off_unless_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off by default: a prompt's logits stay transformers' own prefill's to the bit."""
-    monkeypatch.delenv(prompt_attention.SWITCH_ENV)
+def test_the_kernel_switches_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`RAYRUNNER_PROMPT_ATTENTION=0`: prompts keep SDPA."""
+    monkeypatch.setenv(prompt_attention.SWITCH_ENV, "0")
     prompt_attention.library.cache_clear()
-    assert prompt_attention.library() is None
-    assert not prompt_attention.attends(torch.zeros(2, 3, 64, dtype=torch.bfloat16), 3, 1, 64)
-    monkeypatch.setenv(prompt_attention.SWITCH_ENV, "1")  # for the fixture's teardown
+    try:
+        assert prompt_attention.library() is None
+        assert not prompt_attention.attends(torch.zeros(2, 3, 64, dtype=torch.bfloat16), 3, 1, 64, 2)
+    finally:
+        monkeypatch.delenv(prompt_attention.SWITCH_ENV)
+        prompt_attention.library.cache_clear()

@@ -218,7 +218,7 @@ class PromptChunk:
         keys, values = self.cache.cache.update(rotated[:, heads:].transpose(0, 1)[None],
                                                values.transpose(0, 1)[None], index)
         if (self.causal and keys.is_contiguous() and values.is_contiguous()
-                and prompt_attention.attends(rotated, heads, keys.shape[1], keys.shape[3])):
+                and prompt_attention.attends(rotated, heads, keys.shape[1], keys.shape[3], keys.shape[2])):
             return prompt_attention.prompt_attention(rotated[:, :heads], keys[0], values[0], self.start,
                                                      layer.scaling)
         query = rotated[:, :heads].transpose(0, 1)[None]  # [1, heads, tokens, head_dim]

@@ -1,8 +1,9 @@
 /* Causal attention of a prompt's tokens on AMX tiles (CPUs with AMX BF16); prompt_attention.py builds and loads this
    file. Per KV head its keys and values are first laid out as the tiles multiply them (pairs of bf16 side by side);
    then each query head's 16 tokens at a time: their scores against 16 keys a tile (float32 sums), the softmax in
-   float32, its weights rounded to bf16 as PyTorch's flash attention rounds them, times the values on the tiles
-   (float32 sums), divided by the weights' float32 total and rounded to bf16 once. */
+   float32 as PyTorch's flash attention computes it over one block of keys (`exponentiate_as_sdpa`), its weights
+   rounded to bf16 as it rounds them, times the values on the tiles (float32 sums), times the inverse of the weights'
+   float32 total and rounded to bf16 once. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -148,7 +149,7 @@ static void block_softmax(const prompt_call *call, int64_t first, float *scores,
             __mmask16 m = seen - t >= 16 ? 0xffff : (__mmask16)((1u << (seen - t)) - 1);
             _mm512_mask_storeu_ps(row + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + t), scale));
         }
-        if (seen) inverse[r] = 1.f / exponentiate(row, seen);
+        if (seen) inverse[r] = 1.f / exponentiate_as_sdpa(row, seen, call->start + call->tokens);
         for (t = 0; t < seen; t += 16) {
             __mmask16 m = seen - t >= 16 ? 0xffff : (__mmask16)((1u << (seen - t)) - 1);
             _mm256_mask_storeu_epi16(weight + t, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, row + t)));

@@ -1,23 +1,22 @@
 """The causal attention of a prompt's tokens on the CPU's AMX tiles, compiled from `prompt_attention.c` on first use
 (`native_build`): for whole prompts and chunks fed through the fast step (`PromptChunk`) in bf16.
 
-PyTorch's flash SDPA takes 0.3-0.4 ms per 124-token prompt and layer of SmolLM2 on one Sapphire Rapids core, about
-a fifth of a 16-prompt wave's prefill (docs/performance.md, "Prompt attention on the tiles"); this kernel computes
-what it computes (scores and weighted values summed in float32 on the tiles, the softmax in float32, its weights
-rounded to bf16 before they weigh the values, one rounding of the output) in under half of that. Its exponential is not
-PyTorch's, so outputs may differ from SDPA's in the last bf16 bit, and a prompt's logits then differ from
-transformers' own prefill by up to a bf16 rounding (a first token's logprob by ~0.1 at SmolLM2's logit sizes): it
-is off unless `RAYRUNNER_PROMPT_ATTENTION=1` is in the cluster's environment, for deployments that take a faster
-prefill over logits equal to transformers'. What would make it the default: PyTorch's exponential (`exp_u20`) and
-the order of its softmax's sum, so that its outputs are SDPA's to the bit. CPUs without AMX, or without a
-compiler, keep SDPA.
+PyTorch's flash SDPA takes 0.3-0.4 ms per 124-token prompt and layer of SmolLM2 on one Sapphire Rapids core (0.6-0.7
+ms with the mask of a prompt after cached blocks), about a fifth of a 16-prompt wave's prefill (docs/performance.md,
+"Prompt attention on the tiles"); this kernel computes what it computes in under half of that, and as it computes
+it: scores and weighted values summed in float32 on the tiles, the softmax in float32 with PyTorch's own exponential
+(`fexp_u20`) and the order of its sum, its weights rounded to bf16 before they weigh the values, the output times the
+inverse of their total, rounded once. Its outputs are SDPA's to the bit but for about one in 20,000 (the last bit,
+where oneDNN orders a float32 sum of weighted values differently), so a prompt's logits are transformers' own
+prefill's. Up to `KEY_BLOCK` positions: past them PyTorch's softmax runs block by block, which this kernel does not,
+so longer ones keep SDPA, as do CPUs without AMX or without a compiler. `RAYRUNNER_PROMPT_ATTENTION=0` in the
+cluster's environment turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -28,13 +27,14 @@ from rayrunner.runtime import native_build
 SOURCE = Path(__file__).with_suffix(".c")
 SWITCH_ENV = "RAYRUNNER_PROMPT_ATTENTION"
 HEAD_DIMS = (64, 128)  # what the kernel is built for
+KEY_BLOCK = 512  # PyTorch's flash attention's block of keys on CPU: the softmax of one block is one pass
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The kernel, built if needed and loaded; None unless switched on, on CPUs without AMX tiles, or where it cannot
     be built."""
-    if os.environ.get(SWITCH_ENV, "0").strip() != "1" or not amx_tiles():  # opt-in: see the module docstring
+    if not amx_tiles():
         return None
     pointer, i64 = native_build.POINTER, native_build.I64
     lib = native_build.load(SOURCE, SWITCH_ENV, {
@@ -44,11 +44,11 @@ def library() -> ctypes.CDLL | None:
     return lib if lib is not None and lib.prompt_tiles_ready() else None
 
 
-def attends(query: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether `prompt_attention` takes a prompt's queries of `query`'s kind: bf16 on the CPU, the kernel built,
-    heads of 64 or 128, whole groups of query heads per KV head."""
+def attends(query: torch.Tensor, heads: int, kv_heads: int, head_dim: int, positions: int) -> bool:
+    """Whether `prompt_attention` takes a prompt's queries of `query`'s kind over `positions` keys: bf16 on the CPU,
+    the kernel built, heads of 64 or 128, whole groups of query heads per KV head, one block of keys."""
     return (query.dtype == torch.bfloat16 and query.device.type == "cpu" and head_dim in HEAD_DIMS
-            and heads % kv_heads == 0 and library() is not None)
+            and heads % kv_heads == 0 and positions <= KEY_BLOCK and library() is not None)
 
 
 def prompt_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
@@ -59,9 +59,9 @@ def prompt_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     tokens, heads, dim = query.shape
     kv_heads, positions = keys.shape[0], start + tokens
     lib = library()
-    if lib is None or not attends(query, heads, kv_heads, dim) or query.stride()[1:] != (dim, 1):
+    if lib is None or not attends(query, heads, kv_heads, dim, positions) or query.stride()[1:] != (dim, 1):
         raise ValueError(f"query {tuple(query.shape)} {query.dtype} strided {query.stride()}: bf16 on a CPU with "
-                         "the kernel, heads of 64 or 128, contiguous heads")
+                         f"the kernel, heads of 64 or 128, contiguous heads, at most {KEY_BLOCK} positions")
     for name, tensor in (("keys", keys), ("values", values)):
         if tensor.shape != (kv_heads, positions, dim) or tensor.dtype != query.dtype or not tensor.is_contiguous():
             raise ValueError(f"{name} {tuple(tensor.shape)} {tensor.dtype}: contiguous [{kv_heads}, {positions}, "
