@@ -9,6 +9,7 @@ Run:  .venv/bin/python bench/bench_prompt_attention.py [--prompts 15] [--prompt-
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    os.environ[prompt_attention.SWITCH_ENV] = "1"  # the kernel is opt-in
+    prompt_attention.library.cache_clear()
     if prompt_attention.library() is None:
         raise SystemExit("the prompt attention is not built here (no AMX tiles, or no C compiler)")
     print(cpu_line())

@@ -6,6 +6,7 @@ tiles."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,16 @@ from tests.tiny_models import build_kernel_llama
 
 needs_tiles = pytest.mark.skipif(native_build.compiler() is None or not amx_tiles(),
                                  reason="the prompt attention needs a C compiler and a CPU with AMX tiles")
+
+
+@pytest.fixture(autouse=True)
+def switched_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The kernel is opt-in (`RAYRUNNER_PROMPT_ATTENTION=1`): these tests switch it on, and off again after."""
+    monkeypatch.setenv(prompt_attention.SWITCH_ENV, "1")
+    prompt_attention.library.cache_clear()
+    yield
+    monkeypatch.delenv(prompt_attention.SWITCH_ENV)
+    prompt_attention.library.cache_clear()
 
 
 def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
@@ -140,13 +151,10 @@ def test_a_prompt_after_its_cached_start_gets_its_whole_prefills_logits_to_the_b
     assert torch.equal(whole, after)
 
 
-def test_the_kernel_switches_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`RAYRUNNER_PROMPT_ATTENTION=0`: prompts keep SDPA."""
-    monkeypatch.setenv(prompt_attention.SWITCH_ENV, "0")
+def test_the_kernel_is_off_unless_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off by default: prompts keep SDPA."""
+    monkeypatch.delenv(prompt_attention.SWITCH_ENV)
     prompt_attention.library.cache_clear()
-    try:
-        assert prompt_attention.library() is None
-        assert not prompt_attention.attends(torch.zeros(2, 3, 64, dtype=torch.bfloat16), 3, 1, 64, 2)
-    finally:
-        monkeypatch.delenv(prompt_attention.SWITCH_ENV)
-        prompt_attention.library.cache_clear()
+    assert prompt_attention.library() is None
+    assert not prompt_attention.attends(torch.zeros(2, 3, 64, dtype=torch.bfloat16), 3, 1, 64, 2)
+    monkeypatch.setenv(prompt_attention.SWITCH_ENV, "1")  # for the fixture's teardown
