@@ -176,8 +176,8 @@ class BatchCache:
     def merge(self, *others: BatchCache) -> None:
         """Append the rows of `others`, in order, left-padding the shorter ones: one cache is written into free
         rows of the room when it has them and is not longer; else every layer is copied once into new tensors."""
-        if len(others) == 1 and self._merge_in_room(others[0]):
-            return
+        if not others or (len(others) == 1 and self._merge_in_room(others[0])):
+            return  # nothing to append (a prompt prefilled alone), or written into the room
         caches = [self, *others]
         length = max(cache.length for cache in caches)
         for layers in zip(*(_any_layers(cache.cache) for cache in caches), strict=True):
