@@ -27,7 +27,7 @@ needs_tiles = pytest.mark.skipif(native_build.compiler() is None or not amx_tile
 
 @pytest.fixture(autouse=True)
 def switched_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The kernel is opt-in (`RAYRUNNER_PROMPT_ATTENTION=1`): these tests switch it on, and off again after."""
+    """These tests run the kernel whatever the environment says (`RAYRUNNER_PROMPT_ATTENTION=0` turns it off)."""
     monkeypatch.setenv(prompt_attention.SWITCH_ENV, "1")
     prompt_attention.library.cache_clear()
     yield
@@ -151,10 +151,15 @@ def test_a_prompt_after_its_cached_start_gets_its_whole_prefills_logits_to_the_b
     assert torch.equal(whole, after)
 
 
-def test_the_kernel_is_off_unless_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off by default: prompts keep SDPA."""
+@needs_tiles
+def test_the_kernel_is_on_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On by default where the tiles are; `RAYRUNNER_PROMPT_ATTENTION=0` keeps SDPA."""
+    query = torch.zeros(2, 3, 64, dtype=torch.bfloat16)
     monkeypatch.delenv(prompt_attention.SWITCH_ENV)
     prompt_attention.library.cache_clear()
+    assert prompt_attention.attends(query, 3, 1, 64, 2)
+    monkeypatch.setenv(prompt_attention.SWITCH_ENV, "0")
+    prompt_attention.library.cache_clear()
     assert prompt_attention.library() is None
-    assert not prompt_attention.attends(torch.zeros(2, 3, 64, dtype=torch.bfloat16), 3, 1, 64, 2)
+    assert not prompt_attention.attends(query, 3, 1, 64, 2)
     monkeypatch.setenv(prompt_attention.SWITCH_ENV, "1")  # for the fixture's teardown

@@ -9,16 +9,14 @@ it: scores and weighted values summed in float32 on the tiles, the softmax in fl
 inverse of their total, rounded once. Its outputs are SDPA's to the bit but for about one in 20,000 (the last bit,
 where oneDNN orders a float32 sum of weighted values differently), so a prompt's logits are transformers' own
 prefill's. Up to `KEY_BLOCK` positions: past them PyTorch's softmax runs block by block, which this kernel does not,
-so longer ones keep SDPA, as do CPUs without AMX or without a compiler. It is off unless `RAYRUNNER_PROMPT_ATTENTION=1`
-is in the cluster's environment: with several models' replicas sharing a node's cores it slowed the many-models
-benchmark (docs/performance.md, "The same Xeon, a fourth session"), for a cause not yet found.
+so longer ones keep SDPA, as do CPUs without AMX or without a compiler, or with `RAYRUNNER_PROMPT_ATTENTION=0` in
+the cluster's environment.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -34,9 +32,9 @@ KEY_BLOCK = 512  # PyTorch's flash attention's block of keys on CPU: the softmax
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The kernel, built if needed and loaded; None unless switched on, on CPUs without AMX tiles, or where it cannot
+    """The kernel, built if needed and loaded; None when switched off, on CPUs without AMX tiles, or where it cannot
     be built."""
-    if os.environ.get(SWITCH_ENV, "0").strip() != "1" or not amx_tiles():  # opt-in: see the module docstring
+    if not amx_tiles():
         return None
     pointer, i64 = native_build.POINTER, native_build.I64
     lib = native_build.load(SOURCE, SWITCH_ENV, {
