@@ -233,6 +233,40 @@ def test_prompts_arriving_together_start_in_one_step_beside_the_rows(tiny_llama_
 
 
 @pytest.mark.slow
+def test_prompts_waiting_at_an_idle_engine_start_together_from_their_cached_blocks(tiny_llama_dir: str) -> None:
+    """Prompts waiting while nothing decodes, each starting with blocks in the prefix cache (a wave of streams after
+    the last one ended), are fed together in one step, not the first alone; each decodes exactly as it does alone
+    (float32)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    loop = asyncio.new_event_loop()
+    shared = list(range(30, 62))  # two blocks
+    prompts = [shared + [1, 2, 3], shared + list(range(70, 80)), shared + [9] * 7]
+
+    @torch.inference_mode()  # as the scheduler's loop steps
+    def run(together: bool) -> list[list[int]]:
+        scheduler = StepScheduler(model, SchedulerLimits(max_num_seqs=8))
+        scheduler.fast_decode = FastDecode.for_model(model)
+        seqs = [Sequence(p, SamplingParams(max_tokens=8), Detokenizer(tokenizer, []), set(), loop)
+                for p in [shared + [5], *prompts]]  # the first leaves the shared blocks in the prefix cache
+        for s in seqs if not together else seqs[:1]:
+            scheduler.submit(s)
+            while not s.done:
+                scheduler.step()
+        if together:
+            for s in seqs[1:]:
+                scheduler.submit(s)
+            scheduler.step()  # the three prompts, then a decode step
+            assert [(len(s.output_ids), s.cached_tokens) for s in seqs[1:]] == [(2, 32)] * 3
+        while any(not s.done for s in seqs):
+            scheduler.step()
+        return [s.output_ids for s in seqs]
+
+    assert run(together=True) == run(together=False)
+    loop.close()
+
+
+@pytest.mark.slow
 def test_prompts_prefilled_aside_decode_exactly_as_alone(tiny_llama_dir: str, tmp_path: Any) -> None:
     """With a share of two cores, prompts arriving while more sequences decode are prefilled in the prefill thread
     while the decode steps go on, then join the batch; each decodes exactly as it does alone (float32)."""

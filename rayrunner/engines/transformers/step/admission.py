@@ -4,9 +4,9 @@ A step prefills either one group of whole prompts, left-padded into one batch, o
 group is taken from the head of the queue, in order, while it fits the free sequence slots, the chunk's token
 budget (its longest prompt times its size) and the KV memory budget (`fits`, the planner's); a prompt that needs a
 pass of its own (images, prompt logprobs, a prompt longer than one chunk, one that starts from cached prefix blocks)
-goes alone; a sequence for a LoRA adapter waits while `max_adapters` others are in use. While rows decode, whole
-text prompts (cached blocks or not) may instead be fed beside the decode step, several at once within one chunk's
-tokens (`beside`). Pure logic over the sequences' sizes: tested without a model.
+goes alone; a sequence for a LoRA adapter waits while `max_adapters` others are in use. Whole text prompts the
+fast step takes (cached blocks or not) are instead fed beside the decode step, or together when no rows decode,
+several at once within one chunk's tokens (`beside`). Pure logic over the sequences' sizes: tested without a model.
 """
 
 from __future__ import annotations
@@ -75,9 +75,10 @@ class Admission:
 
     def beside(self, waiting: Sequence[W], free_slots: int, fits: Callable[[list[W]], bool],
                mixes: Callable[[W], bool]) -> int:
-        """How many sequences from the head of `waiting` are fed whole beside the next decode step (`mixes` says
-        which can be: text prompts of the base model), each from the tokens its start finds cached, their new
-        tokens together within one chunk, within the free slots and the KV budget (`fits`)."""
+        """How many sequences from the head of `waiting` are fed whole beside the next decode step, or together when
+        none decodes (`mixes` says which can be: text prompts of the base model), each from the tokens its start
+        finds cached, their new tokens together within one chunk, within the free slots and the KV budget
+        (`fits`)."""
         taken: list[W] = []
         tokens = 0
         for candidate in waiting:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rayrunner.engines.lora import LoraAdapters
-from rayrunner.engines.transformers.kv.kv_batch import BatchCache, merged, new_cache
+from rayrunner.engines.transformers.kv.kv_batch import BatchCache, new_cache
 from rayrunner.engines.transformers.kv.kv_budget import BatchShape
 from rayrunner.engines.transformers.kv.kv_memory import KvMemory, cache_bytes
 from rayrunner.engines.transformers.kv.prefix_cache import BLOCK, BlockKV, cache_of
@@ -79,15 +79,8 @@ class ModelRunner:
     # ------------------------------------------------------------ prefill
 
     def prefill_group(self, group: list[Sequence]) -> tuple[torch.Tensor, BatchCache]:
-        """Prefill whole prompts: the logits of each one's last position, and their cache, one batch. Text prompts
-        of the base model go through the fast step's `prefill` when it takes prompts (each on a cache of its own,
-        merged after, as prompts fed beside a decode step: no padding, and its fused operations); others as one
-        left-padded batch through transformers' forward."""
-        if all(self._fast_prompt(s) for s in group):
-            caches = [self.prompt_cache(s, 0) for s in group]
-            logits = self.prefill_aside([(s, 0, len(s.prefill_ids), cache) for s, cache in zip(group, caches,
-                                                                                                strict=True)])
-            return logits, merged(caches)
+        """Prefill whole prompts the fast step does not take (`mixes`: those it takes are fed as a `Beside`) as one
+        left-padded batch through transformers' forward: the logits of each one's last position, and their cache."""
         length = max(len(s.prefill_ids) for s in group)
         ids = torch.full((len(group), length), 0, dtype=torch.long, device=self.device)
         mask = torch.zeros((len(group), length), dtype=torch.long, device=self.device)
@@ -122,7 +115,7 @@ class ModelRunner:
         cache = self.chunk
         if cache is None:
             raise RuntimeError("no prompt is being chunked")
-        if self._fast_prompt(sequence):  # as its whole prefill would go: a prompt's logits whichever way it starts
+        if self.mixes(sequence):  # as its whole prefill would go: a prompt's logits whichever way it starts
             logits = self.prefill_aside([(sequence, start, end, cache)])
             sequence.prefilled = end
             return logits, cache
@@ -174,13 +167,9 @@ class ModelRunner:
         self.sample(running, logits[:, -1, :])
 
     def mixes(self, sequence: Sequence) -> bool:
-        """Whether `sequence`'s prompt can be fed beside the next decode step (`decode_with_prompts`): rows are
-        decoding and the fast step takes the prompt (`_fast_prompt`)."""
-        return self.batch is not None and self._fast_prompt(sequence)
-
-    def _fast_prompt(self, sequence: Sequence) -> bool:
-        """Whether the fast step takes `sequence`'s prompt: a text prompt of the base model, unscored, and a fast
-        step that takes prompts."""
+        """Whether the fast step takes `sequence`'s prompt, beside the next decode step's rows
+        (`decode_with_prompts`) or with no rows (`prefill_aside`): a text prompt of the base model, unscored, and a
+        fast step that takes prompts."""
         fast = self.fast_decode
         plain = not sequence.extra_inputs and not sequence.scores_prompt and sequence.adapter is None
         return (plain and fast is not None and fast.mixes_prompts

@@ -3,8 +3,9 @@
 Its inputs are the waiting sequences (their sizes, adapters, and the tokens their start finds in the prefix cache),
 the running ones, the free sequence slots, and the KV memory's figures (`KvState`: the budget, the prefix cache's
 bytes, the running batch's shape). Its answers, frozen dataclasses of sequence references and counts, say
-- what starts from the head of the queue (`admit`: `Admission`'s policy within the KV budget): a `Group` of whole
-  prompts, the first `Chunk` of a long prompt or of one that starts from cached blocks, or a `Refuse` of a prompt
+- what starts from the head of the queue (`admit`: `Admission`'s policy within the KV budget): whole prompts fed
+  through the fast step `Beside` the decode rows (or on their own), a `Group` of other whole prompts, the first
+  `Chunk` of a long prompt or of one that starts from cached blocks, or a `Refuse` of a prompt
   that cannot fit even alone; and which `Chunk` of the prompt being chunked is fed next (`next_chunk`);
 - what makes `Room` for a move (a decode step, or a prefilled cache joining the batch): how many prefix-cache bytes
   give way, and when that is not enough, which sequence is preempted (the prompt being chunked first, then the newest
@@ -63,8 +64,9 @@ class Chunk(Generic[S]):
 
 @dataclass(frozen=True)
 class Beside(Generic[S]):
-    """Whole prompts from the head of the queue, fed beside the next decode step (each on a cache of its own,
-    starting from the tokens `starts[i]` found in the prefix cache); they join the running batch after it."""
+    """Whole prompts from the head of the queue, fed beside the next decode step, or together on their own when no
+    rows decode (each on a cache of its own, starting from the tokens `starts[i]` found in the prefix cache); they
+    join the running batch after it."""
 
     sequences: tuple[S, ...]
     starts: tuple[int, ...]
@@ -109,7 +111,8 @@ class Planner:
               ) -> Group[S] | Chunk[S] | Beside[S] | Refuse[S] | None:
         """What starts from the head of `waiting` (those that may start: `free_slots` of them, at least one), beside
         `running`; `cached[i]`: the tokens `waiting[i]`'s start finds in the prefix cache (missing: none);
-        `mixes(s)`: whether `s`'s prompt can be fed beside the decode step (None: no step decodes)."""
+        `mixes(s)`: whether `s`'s prompt can be fed with others through the fast step, beside the decode rows or on
+        their own (None: never)."""
         found = [_Found(s, cached[i] if i < len(cached) else 0) for i, s in enumerate(waiting)]
         fits = functools.partial(_fits, kv=kv)
         if mixes is not None:

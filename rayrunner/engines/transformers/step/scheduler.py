@@ -15,9 +15,10 @@ the planner (`planner`: on plain figures, what each step admits, chunks, preempt
    the prefix cache).
 While rows decode and the model has the fast decode step, text prompts are fed beside them in one forward (vLLM's
 mixed batch): several whole ones within one chunk's tokens (each from the blocks it finds cached), or a chunk; the
-decode rows ride along in the prompts' matmuls, and the prompts join after the step. When the engine's share of the
-node is two cores or more, such whole prompts are prefilled aside instead, in a second thread, while the decode
-steps go on (`prefill_aside`).
+decode rows ride along in the prompts' matmuls, and the prompts join after the step. With no rows decoding, such
+whole prompts are fed together on their own (a wave of streams arriving at an idle engine is one forward). When the
+engine's share of the node is two cores or more, such whole prompts are prefilled aside instead, in a second thread,
+while the decode steps go on (`prefill_aside`).
 Sequences join and leave between steps without recomputing anyone else's cache. Past `max_queued_requests` waiting
 sequences, `submit` refuses with `ServerOverloadedError` (HTTP 429). The loop runs on the engine's `ComputeThread`,
 the thread that loaded the model (`compute_thread` says why one thread does all the work). With LoRA adapters, one
@@ -345,10 +346,8 @@ class StepScheduler:
         elif isinstance(plan, Chunk):
             chunk = plan
             self._guarded([chunk.sequence], lambda: self._prefill_chunk(chunk))
-        elif isinstance(plan, Beside):  # no rows left to decode beside: they wait again
-            with self._cond:
-                self._prefilling = []
-                self._waiting.extendleft(reversed(plan.sequences))
+        elif isinstance(plan, Beside):  # no rows to decode beside: the prompts are fed on their own
+            self._feed_together(plan)
 
     def _plan_prefill(self) -> Prefill:
         """This step's prefill, as the planner has it: the next chunk of the prompt being chunked, else what starts
@@ -361,8 +360,8 @@ class StepScheduler:
         with self._cond:
             candidates = list(self._waiting)[: max(self._free_slots(), 1)]
             cached = self.runner.find_prefixes(candidates)
-            mixes = self.runner.mixes if self._running else None
-            plan = self.planner.admit(candidates, cached, self._running, self._free_slots(), self._kv(), mixes)
+            plan = self.planner.admit(candidates, cached, self._running, self._free_slots(), self._kv(),
+                                      self.runner.mixes)
             self._take(plan)
         return plan
 
@@ -434,14 +433,15 @@ class StepScheduler:
     def _decode_with_prompts(self, plan: Chunk[Sequence] | Beside[Sequence]) -> None:
         """One forward for the decode rows and the planned prompts' tokens; prompts fully fed join the running
         batch after the step (`_started`). A chunk preempted while room was made waits again and the rows decode
-        alone; with no rows left to decode, the prompts are prefilled on their own (a chunk) or wait again."""
+        alone; with no rows (left) to decode, the prompts are prefilled on their own, then decode."""
         room = self._make_room(lambda: self.planner.room_for_step(self._kv(), self._by_age(), self._chunking))
         spans = [(s, start, end) for s, start, end in plan.spans if s is self._chunking or s in self._prefilling]
         if not spans:
             self._decode()
             return
-        if self.runner.batch is None or not self._running:
+        if self.runner.batch is None or not self._running:  # as a step without rows: the prompts, then a decode
             self._prefill(plan)
+            self._decode()
             return
         running, runner = list(self._running), self.runner
         prompts = [(s, start, end, runner.chunk if s is self._chunking and runner.chunk is not None
@@ -456,6 +456,20 @@ class StepScheduler:
 
         self._guarded([*running, *(s for s, _, _ in spans)], work)
         self._retire()
+
+    def _feed_together(self, plan: Beside[Sequence]) -> None:
+        """Whole prompts fed together with no rows decoding, each on a cache of its own from its cached blocks (the
+        fast step's `prefill`); they start after it."""
+        runner = self.runner
+        prompts = [(s, start, end, runner.prompt_cache(s, start)) for s, start, end in plan.spans]
+
+        def work() -> None:
+            logits = runner.prefill_aside(prompts)
+            for sequence, _, end, _ in prompts:
+                sequence.prefilled = end
+            self._joined(list(plan.sequences), logits, [cache for _, _, _, cache in prompts])
+
+        self._guarded(list(plan.sequences), work)
 
     def _joined(self, sequences: list[Sequence], logits: torch.Tensor, caches: list[BatchCache]) -> None:
         """Prompts fully fed (beside a decode step, or aside) start: their caches merged into the first."""
