@@ -146,12 +146,12 @@ static void block_softmax(const prompt_call *call, int64_t first, float *scores,
         uint16_t *weight = weights + r * width;
         int64_t seen = r < rows ? call->start + first + r + 1 : 0, t = 0;
         for (; t < seen; t += 16) {
-            __mmask16 m = seen - t >= 16 ? 0xffff : (__mmask16)((1u << (seen - t)) - 1);
+            __mmask16 m = first_lanes(seen - t);
             _mm512_mask_storeu_ps(row + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + t), scale));
         }
         if (seen) inverse[r] = 1.f / exponentiate_as_sdpa(row, seen, call->start + call->tokens);
         for (t = 0; t < seen; t += 16) {
-            __mmask16 m = seen - t >= 16 ? 0xffff : (__mmask16)((1u << (seen - t)) - 1);
+            __mmask16 m = first_lanes(seen - t);
             _mm256_mask_storeu_epi16(weight + t, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, row + t)));
         }
         t = seen;

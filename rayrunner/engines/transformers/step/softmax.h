@@ -23,18 +23,24 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(p, n));
 }
 
+/* The first `left` lanes of 16 (all of them from 16 on). */
+static inline __mmask16 first_lanes(int64_t left) { return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1); }
+
+/* The largest of `n` scores (-inf for none). */
+static inline float row_peak(const float *scores, int64_t n) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < n; t += 16)
+        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), first_lanes(n - t), scores + t));
+    return _mm512_reduce_max_ps(top);
+}
+
 /* softmax's numerators in place over `n` scores (their maximum subtracted first); their sum. */
 static float exponentiate(float *scores, int64_t n) {
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < n; t += 16) {
-        __mmask16 m = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
-        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, scores + t));
-    }
-    float peak = _mm512_reduce_max_ps(top);
+    float peak = row_peak(scores, n);
     if (peak == -INFINITY) peak = 0.f; /* nothing attended: every weight 0 */
     __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(peak);
     for (int64_t t = 0; t < n; t += 16) {
-        __mmask16 m = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        __mmask16 m = first_lanes(n - t);
         __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), shift));
         e = _mm512_maskz_mov_ps(m, e);
         _mm512_mask_storeu_ps(scores + t, m, e);
@@ -67,15 +73,10 @@ static inline __m512 exp_as_sdpa(__m512 x) {
    their sum. */
 static float exponentiate_as_sdpa(float *scores, int64_t seen, int64_t length) {
     int64_t whole = length / 16 * 16, vectors = seen < whole ? seen : whole;
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < seen; t += 16) {
-        __mmask16 m = seen - t >= 16 ? 0xffff : (__mmask16)((1u << (seen - t)) - 1);
-        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, scores + t));
-    }
-    float peak = _mm512_reduce_max_ps(top);
+    float peak = row_peak(scores, seen);
     __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(peak);
     for (int64_t t = 0; t < vectors; t += 16) {
-        __mmask16 m = vectors - t >= 16 ? 0xffff : (__mmask16)((1u << (vectors - t)) - 1);
+        __mmask16 m = first_lanes(vectors - t);
         __m512 e = _mm512_maskz_mov_ps(m, exp_as_sdpa(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t), shift)));
         _mm512_mask_storeu_ps(scores + t, m, e);
         total = _mm512_add_ps(total, e);
