@@ -28,7 +28,6 @@ padding (which this trims), or when the joining prompt is longer. Figures: docs/
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import torch
@@ -69,6 +68,26 @@ def recurrent(config: object) -> bool:
     LFM2, Falcon-H1, Granite 4, Jamba...): rows join and leave with their states, but a prompt is prefilled alone
     (left padding would run through the recurrence) and its start cannot be taken from cached blocks."""
     return bool(set(_layer_types(config)) - ATTENTION_LAYERS - {"dummy"})
+
+
+class RowKV:
+    """Copies of one row's keys and values, every layer's, for its real tokens `start` to `end` (after its left
+    padding) [layers, 2, kv_heads, end - start, head_dim], asked for in increasing order (`PrefixCache.store`): the
+    first ask gathers the layers from its `start` to the row's end in one copy, each ask copies its part of that."""
+
+    def __init__(self, cache: BatchCache, row: int) -> None:
+        self.cache, self.row = cache, row
+        self.padding = cache.length - int(cache.mask[row].sum())
+        self.first = 0  # the first real token `gathered` holds
+        self.gathered: torch.Tensor | None = None
+
+    def __call__(self, start: int, end: int) -> torch.Tensor:
+        if self.gathered is None or start < self.first:
+            begin = self.padding + start
+            parts = [part for layer in _layers(self.cache.cache)
+                     for part in (layer.keys[self.row, :, begin:], layer.values[self.row, :, begin:])]
+            self.first, self.gathered = start, torch.stack(parts).unflatten(0, (-1, 2))
+        return self.gathered[:, :, :, start - self.first: end - self.first].clone()
 
 
 def merged(caches: list[BatchCache]) -> BatchCache:
@@ -113,22 +132,9 @@ class BatchCache:
         return room is not None and bool(layers) and room[0].data_ptr() == layers[0].keys.data_ptr() \
             and room[0].shape[2] > self.length
 
-    def row_kv(self, row: int) -> Callable[[int, int], torch.Tensor]:
-        """Copies of row `row`'s keys and values, every layer's, for its real tokens `start` to `end` (after its
-        left padding) [layers, 2, kv_heads, end - start, head_dim], asked for in increasing order: the first ask
-        gathers the layers from its `start` to the row's end in one copy, each ask copies its part of that."""
-        padding = self.length - int(self.mask[row].sum())
-        gathered: list[tuple[int, torch.Tensor]] = []  # (the first real token it holds, every layer's kv from it)
-
-        def kv(start: int, end: int) -> torch.Tensor:
-            if not gathered or start < gathered[0][0]:
-                parts = [part for layer in _layers(self.cache)
-                         for part in (layer.keys[row, :, padding + start:], layer.values[row, :, padding + start:])]
-                gathered[:] = [(start, torch.stack(parts).unflatten(0, (-1, 2)))]
-            first, layers = gathered[0]
-            return layers[:, :, :, start - first: end - first].clone()
-
-        return kv
+    def row_kv(self, row: int) -> RowKV:
+        """Row `row`'s keys and values, copied by spans of its real tokens (`RowKV`)."""
+        return RowKV(self, row)
 
     def next_positions(self) -> torch.Tensor:
         """Each row's position for the token it feeds next: the count of its real cached tokens."""
