@@ -116,9 +116,7 @@ class ModelRunner:
         if cache is None:
             raise RuntimeError("no prompt is being chunked")
         if self.mixes(sequence):  # as its whole prefill would go: a prompt's logits whichever way it starts
-            logits = self.prefill_aside([(sequence, start, end, cache)])
-            sequence.prefilled = end
-            return logits, cache
+            return self.feed_prompts([(sequence, start, end, cache)]), cache
         chunk = sequence.prefill_ids[start:end]
         ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
         positions = torch.arange(start, end, device=self.device).unsqueeze(0)
@@ -190,6 +188,13 @@ class ModelRunner:
         rows = len(running)
         self.sample(running, logits[:rows, -1, :])
         return [logits[row: row + 1, -1, :] for row in range(rows, rows + len(prompts))]
+
+    def feed_prompts(self, prompts: Prompts) -> torch.Tensor:
+        """`prefill_aside` on the step loop's thread, each sequence's `prefilled` then at its `end`."""
+        logits = self.prefill_aside(prompts)
+        for sequence, _, end, _ in prompts:
+            sequence.prefilled = end
+        return logits
 
     def prefill_aside(self, prompts: Prompts) -> torch.Tensor:
         """Feed tokens `start` to `end` of each (sequence, start, end, cache) of `prompts` onto that cache, with no

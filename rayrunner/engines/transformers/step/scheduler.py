@@ -460,16 +460,10 @@ class StepScheduler:
     def _feed_together(self, plan: Beside[Sequence]) -> None:
         """Whole prompts fed together with no rows decoding, each on a cache of its own from its cached blocks (the
         fast step's `prefill`); they start after it."""
-        runner = self.runner
-        prompts = [(s, start, end, runner.prompt_cache(s, start)) for s, start, end in plan.spans]
-
-        def work() -> None:
-            logits = runner.prefill_aside(prompts)
-            for sequence, _, end, _ in prompts:
-                sequence.prefilled = end
-            self._joined(list(plan.sequences), logits, [cache for _, _, _, cache in prompts])
-
-        self._guarded(list(plan.sequences), work)
+        sequences = list(plan.sequences)
+        prompts = [(s, start, end, self.runner.prompt_cache(s, start)) for s, start, end in plan.spans]
+        caches = [cache for _, _, _, cache in prompts]
+        self._guarded(sequences, lambda: self._joined(sequences, self.runner.feed_prompts(prompts), caches))
 
     def _joined(self, sequences: list[Sequence], logits: torch.Tensor, caches: list[BatchCache]) -> None:
         """Prompts fully fed (beside a decode step, or aside) start: their caches merged into the first."""
