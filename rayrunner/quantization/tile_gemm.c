@@ -159,12 +159,108 @@ int tile_gemm(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const u
     }
     return 0;
 }
+
+/* Combines float32 sums of gate and up projections (16 outputs of `rows` rows, 16 floats a row) into `rows` rows of
+   16 bf16 outputs at `out` (a row every `out_stride`): fused_ops.c's `silu_mul_sums`, for one. */
+typedef void (*sums_combiner)(const float *gate, const float *up, int64_t rows, uint16_t *out, int64_t out_stride);
+
+/* The tiles of a GLU pass over `rows` (1 to 32) rows: tiles 0 and 1 the first 16 rows and the rest, tiles 2 and 3 a
+   gate and an up weight tile, tiles 4 and 5 the first rows' gate and up sums, 6 and 7 the rest's (unused up to 16). */
+static void configure_glu(int rows) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    uint8_t first = (uint8_t)(rows < 16 ? rows : 16), rest = (uint8_t)(rows > 16 ? rows - 16 : 0);
+    const uint8_t by_tile[8] = {first, rest, 16, 16, first, first, rest, rest};
+    for (int tile = 0; tile < 8; tile++) config.bytes_per_row[tile] = by_tile[tile] ? 64 : 0;
+    memcpy(config.rows, by_tile, sizeof by_tile);
+    _tile_loadconfig(&config);
+}
+
+/* Up to 32 `rows` of the combined output for one gate group and the up group beside it (`gate`, `up`: their tiles,
+   block by block of 32 inputs), block by block of 16 outputs, through `sums` (4 * 256 floats). */
+static void glu_rows(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t k, const uint16_t *gate,
+                     const uint16_t *up, int64_t group, sums_combiner combine, uint16_t *out, int64_t out_stride,
+                     float *sums) {
+    int64_t blocks = k / 32, first = rows < 16 ? rows : 16;
+    int two = rows > 16;
+    for (int64_t g = 0; g <= group; g++) {
+        float *now = sums + (g & 1) * 1024, *before = sums + (~g & 1) * 1024;
+        if (g < group) {
+            _tile_zero(4); _tile_zero(5);
+            if (two) { _tile_zero(6); _tile_zero(7); }
+            for (int64_t b = 0; b < blocks; b++) {
+                _tile_loadd(0, x + b * 32, x_stride * 2);
+                _tile_stream_loadd(2, gate + (b * group + g) * TILE_ELEMENTS, 64);
+                _tile_stream_loadd(3, up + (b * group + g) * TILE_ELEMENTS, 64);
+                _tile_dpbf16ps(4, 0, 2);
+                _tile_dpbf16ps(5, 0, 3);
+                if (two) {
+                    _tile_loadd(1, x + 16 * x_stride + b * 32, x_stride * 2);
+                    _tile_dpbf16ps(6, 1, 2);
+                    _tile_dpbf16ps(7, 1, 3);
+                }
+            }
+        }
+        /* the block before, combined while the tiles multiply this one */
+        if (g > 0) {
+            combine(before, before + 256, first, out + (g - 1) * 16, out_stride);
+            if (two) combine(before + 512, before + 768, rows - 16, out + 16 * out_stride + (g - 1) * 16, out_stride);
+        }
+        if (g < group) {
+            _tile_stored(4, now, 64);
+            _tile_stored(5, now + 256, 64);
+            if (two) {
+                _tile_stored(6, now + 512, 64);
+                _tile_stored(7, now + 768, 64);
+            }
+        }
+    }
+}
+
+/* out[m, n / 2] (a row every out_stride) = `combine` of x[m, k] times the first and the second half of the packed
+   weight [n, k] (a gate and an up projection side by side, packed as `tile_gemm` takes them), without writing
+   either: each 16 outputs of both are combined from the tiles' float32 sums. n / 2 a multiple of 16 * group. */
+int tile_gemm_glu(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                  int64_t group, sums_combiner combine, uint16_t *out, int64_t out_stride, int threads) {
+    if (group < 1 || group > MAX_GROUP || n % (32 * group) != 0 || k % 32 != 0 || m < 1) return -1;
+    int64_t half = n / (32 * group), group_elements = group * 16 * k;
+#pragma omp parallel num_threads(threads)
+    {
+        float sums[2 * 4 * 256];
+        int configured = 0;
+        for (int64_t start = 0; start < m; start += CHUNK_ROWS) {
+            int64_t end = m - start < CHUNK_ROWS ? m : start + CHUNK_ROWS;
+#pragma omp for schedule(static)
+            for (int64_t index = 0; index < half; index++) {
+                const uint16_t *gate = packed + index * group_elements, *up = gate + half * group_elements;
+                for (int64_t m0 = start; m0 < end; m0 += 32) {
+                    int rows = (int)(end - m0 < 32 ? end - m0 : 32);
+                    if (rows != configured) {
+                        configure_glu(rows);
+                        configured = rows;
+                    }
+                    glu_rows(x + m0 * x_stride, x_stride, rows, k, gate, up, group, combine,
+                             out + m0 * out_stride + index * group * 16, out_stride, sums);
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
 #else
 int tiles_ready(void) { return 0; }
 int tile_gemm(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
               int64_t group, const uint16_t *bias, uint16_t *y, int64_t y_stride, int threads) {
     (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)group, (void)bias, (void)y;
     (void)y_stride, (void)threads;
+    return -1;
+}
+int tile_gemm_glu(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                  int64_t group, void *combine, uint16_t *out, int64_t out_stride, int threads) {
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)group, (void)combine, (void)out;
+    (void)out_stride, (void)threads;
     return -1;
 }
 #endif

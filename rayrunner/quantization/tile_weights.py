@@ -41,7 +41,9 @@ def library() -> ctypes.CDLL | None:
     pointer, i64 = native_build.POINTER, native_build.I64
     lib = native_build.load(SOURCE, SWITCH_ENV, {
         "tiles_ready": ([], ctypes.c_int),
-        "tile_gemm": ([pointer, i64, i64, i64, pointer, i64, i64, pointer, pointer, i64, ctypes.c_int], ctypes.c_int)})
+        "tile_gemm": ([pointer, i64, i64, i64, pointer, i64, i64, pointer, pointer, i64, ctypes.c_int], ctypes.c_int),
+        "tile_gemm_glu": ([pointer, i64, i64, i64, pointer, i64, i64, pointer, pointer, i64, ctypes.c_int],
+                          ctypes.c_int)})
     return lib if lib is not None and lib.tiles_ready() else None
 
 
@@ -88,6 +90,31 @@ class TileWeight:
                                            torch.get_num_threads()) != 0:
             raise RuntimeError(f"the tile kernel refused a [{rows.shape[0]}, {self.k}] x [{self.n}, {self.k}] matmul")
         return out.view(*x.shape[:-1], self.n)
+
+    @property
+    def halves(self) -> bool:
+        """Whether the weight's two halves of outputs (a gate and an up projection side by side) can be multiplied
+        and combined by `glu`: each half whole groups."""
+        return (self.n // 2) % (16 * self.group) == 0
+
+    def glu(self, x: torch.Tensor, combiner: int) -> torch.Tensor:
+        """`x` [..., k] times the weight's first and second half of outputs, combined by the C function at
+        `combiner` (`fused_ops.silu_sums`) from the tiles' float32 sums without writing either: [..., n / 2] in bf16.
+        Needs `halves`."""
+        if x.dtype != torch.bfloat16 or x.shape[-1] != self.k or not self.halves:
+            raise ValueError(f"input {tuple(x.shape)} {x.dtype} for the halves of a bf16 weight {self.n} x {self.k}")
+        rows = x.reshape(-1, self.k)
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty((rows.shape[0], self.n // 2), dtype=torch.bfloat16)
+        lib = library()
+        assert lib is not None  # packed only where it was built
+        if rows.shape[0] and lib.tile_gemm_glu(rows.data_ptr(), rows.stride(0), rows.shape[0], self.k,
+                                               self.data.data_ptr(), self.n, self.group, combiner, out.data_ptr(),
+                                               self.n // 2, torch.get_num_threads()) != 0:
+            raise RuntimeError(f"the tile kernel refused the halves of a [{rows.shape[0]}, {self.k}] x "
+                               f"[{self.n}, {self.k}] matmul")
+        return out.view(*x.shape[:-1], self.n // 2)
 
     def dense(self) -> torch.Tensor:
         """The weight [n, k] unpacked (a new tensor)."""

@@ -69,6 +69,29 @@ def test_each_row_is_the_same_alone_or_in_any_batch(threads: int) -> None:
 
 
 @needs_tiles
+@pytest.mark.parametrize("n, k", [(3072, 576), (192, 64), (128, 32)])  # SmolLM2's gate/up; groups of 6, 4
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 300])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_glu_is_silu_mul_of_the_matmul_to_the_bit(n: int, k: int, rows: int, threads: int) -> None:
+    from rayrunner.engines.transformers.step import fused_ops
+
+    combiner = fused_ops.silu_sums()
+    if combiner is None:
+        pytest.skip("SiLU times up is fused only with AVX-512 BF16")
+    packed = TileWeight(_weight(n, k, seed=rows) * 20)  # sums over the SiLU's whole range, tiny ones too
+    x = torch.randn(rows, k + 32).to(torch.bfloat16)[:, 32:]  # rows strided
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = packed.glu(x, combiner)
+        want = fused_ops.silu_mul(packed.multiply(x, None), n // 2)
+    finally:
+        torch.set_num_threads(previous)
+    assert got.shape == (rows, n // 2)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@needs_tiles
 def test_what_does_not_fit_is_refused() -> None:
     assert not tile_weights.packs(_weight(100, 64))  # outputs not a multiple of 16
     assert not tile_weights.packs(_weight(96, 48))  # inputs not a multiple of 32
@@ -81,6 +104,9 @@ def test_what_does_not_fit_is_refused() -> None:
     with pytest.raises(ValueError, match="input"):
         packed.multiply(torch.zeros(2, 32, dtype=torch.bfloat16), None)
     assert packed.multiply(torch.zeros(0, 64, dtype=torch.bfloat16), None).shape == (0, 96)
+    assert not packed.halves  # six blocks of 16 outputs in one group: no halves of whole groups
+    with pytest.raises(ValueError, match="halves"):
+        packed.glu(torch.zeros(2, 64, dtype=torch.bfloat16), 0)
 
 
 @needs_tiles

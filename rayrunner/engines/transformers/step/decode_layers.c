@@ -7,6 +7,8 @@
 
 typedef int (*gemm_fn)(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                        int64_t group, const uint16_t *bias, uint16_t *y, int64_t y_stride, int threads);
+typedef int (*glu_fn)(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                      int64_t group, const void *combine, uint16_t *out, int64_t out_stride, int threads);
 typedef int (*add_norm_fn)(uint16_t *hidden, const uint16_t *addend, const uint16_t *weight, uint16_t *out,
                            int64_t rows, int64_t width, float eps);
 typedef void (*rope_fn)(const uint16_t *x, int64_t row_stride, const uint16_t *cos, const uint16_t *sin,
@@ -20,6 +22,8 @@ typedef int (*attention_fn)(const uint16_t *query, int64_t query_row_stride, con
 
 typedef struct {
     gemm_fn gemm;
+    glu_fn glu;
+    const void *silu_sums; /* the SiLU `glu` combines the gate's and up's sums with */
     add_norm_fn add_norm;
     rope_fn rope;
     silu_mul_fn silu_mul;
@@ -55,6 +59,18 @@ static int multiply(const kernels *k, const weight *w, const uint16_t *x, int64_
     return k->gemm(x, w->k, rows, w->k, w->packed, w->n, w->group, w->bias, y, w->n, threads);
 }
 
+/* SiLU of the gate times up, from s->normed into s->activated: from the tiles' sums where the weight has no bias
+   (`glu` refuses weights whose halves are not whole groups), else after the matmul into s->gate_up. */
+static int activate(const kernels *k, const weight *w, const step *s) {
+    const uint16_t *x = s->normed;
+    if (!w->bias && k->glu(x, w->k, s->rows, w->k, w->packed, w->n, w->group, k->silu_sums, s->activated,
+                           s->intermediate, s->threads) == 0)
+        return 0;
+    if (multiply(k, w, x, s->rows, s->gate_up, s->threads)) return -1;
+    k->silu_mul(s->gate_up, 2 * s->intermediate, s->activated, s->rows, s->intermediate, s->threads);
+    return 0;
+}
+
 /* One layer on s->normed (its input norm's output); leaves the next norm's output (`next`, `next_eps`) there. */
 static int run_layer(const kernels *k, const layer *l, const step *s, const uint16_t *next, float next_eps) {
     int64_t rows = s->rows, dim = s->dim, heads = s->heads, kv = s->kv_heads;
@@ -72,8 +88,7 @@ static int run_layer(const kernels *k, const layer *l, const step *s, const uint
         return -2;
     if (multiply(k, &l->o, s->attended, rows, s->projected, s->threads)) return -1;
     if (k->add_norm(s->hidden, s->projected, l->post_norm, s->normed, rows, s->hidden_size, l->post_eps)) return -3;
-    if (multiply(k, &l->gate_up, s->normed, rows, s->gate_up, s->threads)) return -1;
-    k->silu_mul(s->gate_up, 2 * s->intermediate, s->activated, rows, s->intermediate, s->threads);
+    if (activate(k, &l->gate_up, s)) return -1;
     if (multiply(k, &l->down, s->activated, rows, s->projected, s->threads)) return -1;
     if (k->add_norm(s->hidden, s->projected, next, s->normed, rows, s->hidden_size, next_eps)) return -3;
     return 0;

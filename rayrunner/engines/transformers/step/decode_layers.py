@@ -32,7 +32,8 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [("gemm", _P), ("add_norm", _P), ("rope", _P), ("silu_mul", _P), ("attention", _P)]
+    _fields_ = [("gemm", _P), ("glu", _P), ("silu_sums", _P), ("add_norm", _P), ("rope", _P), ("silu_mul", _P),
+                ("attention", _P)]
 
 
 class _Weight(ctypes.Structure):
@@ -70,8 +71,9 @@ def _kernels() -> _Kernels:
     def address(function: Any) -> int | None:
         return ctypes.cast(function, _P).value
 
-    return _Kernels(address(gemm.tile_gemm), address(fused.add_rms_norm), address(fused.rope),
-                    address(fused.silu_mul), address(attention.decode_attention))
+    return _Kernels(address(gemm.tile_gemm), address(gemm.tile_gemm_glu), fused_ops.silu_sums(),
+                    address(fused.add_rms_norm), address(fused.rope), address(fused.silu_mul),
+                    address(attention.decode_attention))
 
 
 class LayerDriver:

@@ -53,6 +53,7 @@ from rayrunner.quantization.int8_rows import (
     share_storage,
 )
 from rayrunner.quantization.packed_linear import fused_pack
+from rayrunner.quantization.tile_weights import TileWeight
 
 DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoderLayer", "Qwen2DecoderLayer",
                             "Qwen3DecoderLayer"})
@@ -156,6 +157,7 @@ class FastDecode:
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         fused = fused_ops.applies(hidden)  # residual adds and norms in one call each (module docstring)
         silu_fused = fused_ops.fuses_silu(hidden)
+        combiner = fused_ops.silu_sums() if silu_fused else None
         attention = _rows_attention(hidden, heads // kv_heads, dim)
         sliced = attention is not _grouped_attention  # reading only the cached positions of the room
         normed = _add_norm(self.layers[0].input_norm, hidden, None, fused)
@@ -182,8 +184,7 @@ class FastDecode:
                      for prompt, (start, end) in zip(prompts, spans, strict=True)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             normed = _add_norm(layer.post_norm, hidden, _linear(layer.o_proj, out, kernel), fused)
-            gate_up = _projections(layer.mlp, GATE_UP, normed, kernel)
-            down = _linear(layer.down_proj, _silu_mul(layer.act, gate_up, self.intermediate, silu_fused), kernel)
+            down = _linear(layer.down_proj, _activated(layer, normed, kernel, silu_fused, combiner), kernel)
             if index + 1 < len(self.layers):
                 normed = _add_norm(self.layers[index + 1].input_norm, hidden, down, fused)
             else:
@@ -289,12 +290,20 @@ def _rope(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, fus
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
-def _silu_mul(act: Any, gate_up: torch.Tensor, width: int, fused: bool) -> torch.Tensor:
-    """`act(gate) * up` for `gate_up` [rows, 2 * width]: in one fused call for SiLU where `fused` (`fuses_silu`)."""
-    if fused and (type(act) is nn.SiLU or type(act).__name__ == "SiLUActivation"):  # both `F.silu`
+def _activated(layer: _Layer, normed: torch.Tensor, kernel: bool, fused: bool, combiner: int | None) -> torch.Tensor:
+    """`act(gate) * up` of the MLP on `normed`: for SiLU where `fused` (`fuses_silu`), from the tiles' sums
+    without writing gate or up where the two share a tile weight without bias (`TileWeight.glu`, `combiner` its
+    SiLU), else in one fused call after their matmul."""
+    silu = fused and (type(layer.act) is nn.SiLU or type(layer.act).__name__ == "SiLUActivation")  # both `F.silu`
+    pack = fused_pack(layer.mlp, GATE_UP) if silu and combiner is not None else None
+    if pack is not None and isinstance(pack.packed, TileWeight) and pack.bias is None and pack.packed.halves:
+        return pack.packed.glu(normed, combiner)
+    gate_up = _projections(layer.mlp, GATE_UP, normed, kernel)
+    width = gate_up.shape[-1] // 2
+    if silu:
         return fused_ops.silu_mul(gate_up, width)
     gate, up = gate_up.split(width, dim=-1)
-    return act(gate).mul_(up)
+    return layer.act(gate).mul_(up)
 
 
 def _add_norm(norm: Any, hidden: torch.Tensor, addend: torch.Tensor | None, fused: bool) -> torch.Tensor:

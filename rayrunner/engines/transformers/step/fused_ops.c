@@ -119,6 +119,15 @@ static inline __m512i bf16_bits16(__m512 f) {
     return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
 }
 
+/* `float_to_bf16` on 16 lanes, as 16 bf16s: the CPU's conversion, which rounds as it does but for subnormals
+   (it flushes them to zero), which take `bf16_bits16`. */
+static inline __m256i bf16_round16(__m512 f) {
+    __mmask16 subnormal = _mm512_cmp_ps_mask(_mm512_abs_ps(f), _mm512_set1_ps(1.17549435e-38f), _CMP_LT_OQ)
+                          & _mm512_cmp_ps_mask(f, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    if (__builtin_expect(subnormal != 0, 0)) return _mm512_cvtepi32_epi16(bf16_bits16(f));
+    return (__m256i)_mm512_cvtneps_pbh(f);
+}
+
 /* `sleef_expf` on 16 lanes. */
 static inline __m512 sleef_expf16(__m512 d) {
     __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(d, _mm512_set1_ps(
@@ -133,10 +142,7 @@ static inline __m512 sleef_expf16(__m512 d) {
     u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
     u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
     u = _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
-    __m512i e = _mm512_cvtps_epi32(q), half = _mm512_srai_epi32(e, 1), bias = _mm512_set1_epi32(0x7f);
-    u = _mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, bias), 23)));
-    u = _mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(e, half), bias),
-                                                                 23)));
+    u = _mm512_scalef_ps(u, q); /* u * 2^q rounded once: SLEEF's two steps by halves of q, as one */
     u = _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.f), _CMP_LT_OQ), u);
     return _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.f), d, _CMP_LT_OQ),
                               _mm512_set1_ps(INFINITY));
@@ -166,6 +172,47 @@ static inline float sleef_expf(float d) {
     return u;
 }
 
+/* bf16(silu(g)) for every bf16 g, indexed by its bits (one more entry: the lanes' 32-bit lookups read past the last),
+   filled when the library loads: SiLU is then one lookup. */
+static uint16_t silu_table[65536 + 1];
+
+__attribute__((constructor)) static void fill_silu_table(void) {
+    int32_t bits = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    for (; bits < 65536; bits += 16) {
+        __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_set1_epi32(bits), _mm512_setr_epi32(
+            0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)), 16));
+        __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), sleef_expf16(_mm512_sub_ps(
+            _mm512_setzero_ps(), x))));
+        _mm256_storeu_si256((__m256i *)(silu_table + bits), bf16_round16(silu));
+    }
+#endif
+    for (; bits < 65536; bits++) {
+        float x = bf16_to_float((uint16_t)bits);
+        silu_table[bits] = float_to_bf16(x / (1.0f + sleef_expf(-x)));
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* bf16(bf16(silu(gate)) * up) on 16 bf16 lanes of each. */
+static inline __m256i silu_mul16(__m256i gate, __m256i up) {
+    __m512i silu = _mm512_i32gather_epi32(_mm512_cvtepu16_epi32(gate), (const void *)silu_table, 2);
+    __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(up), 16));
+    return bf16_round16(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(silu, 16)), u));
+}
+
+/* `silu_mul` of a matmul's float32 sums, for `tile_gemm_glu` (tile_gemm.c): `rows` rows of 16 gate and 16 up sums
+   (16 floats a row each) rounded to bf16 as the tile kernel rounds its outputs (plus a zero bias), then SiLU times
+   up into `rows` rows of 16 at `out`, a row every `out_stride`: the bits of the matmul then `silu_mul`. */
+void silu_mul_sums(const float *gate, const float *up, int64_t rows, uint16_t *out, int64_t out_stride) {
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++)
+        _mm256_storeu_si256((__m256i *)(out + r * out_stride), silu_mul16(
+            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(gate + r * 16), zero)),
+            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(up + r * 16), zero))));
+}
+#endif
+
 /* 1 where `silu_mul` is built with its AVX-512 path: without it the scalar loop is slower than PyTorch's. */
 int silu_mul_vectorized(void) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -187,20 +234,12 @@ void silu_mul(const uint16_t *gate_up, int64_t row_stride, uint16_t *out, int64_
         int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
         for (; i + 16 <= width; i += 16) {
-            __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + i))), 16));
-            __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(up + i))), 16));
-            __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), sleef_expf16(_mm512_sub_ps(
-                _mm512_setzero_ps(), x))));
-            __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(silu), 16));
-            _mm256_storeu_si256((__m256i *)(o + i), _mm512_cvtepi32_epi16(bf16_bits16(_mm512_mul_ps(rounded, u))));
+            _mm256_storeu_si256((__m256i *)(o + i), silu_mul16(
+                _mm256_loadu_si256((const __m256i *)(gate + i)), _mm256_loadu_si256((const __m256i *)(up + i))));
         }
 #endif
         for (; i < width; i++) {
-            float x = bf16_to_float(gate[i]);
-            float silu = bf16_to_float(float_to_bf16(x / (1.0f + sleef_expf(-x))));
-            o[i] = float_to_bf16(silu * bf16_to_float(up[i]));
+            o[i] = float_to_bf16(bf16_to_float(silu_table[gate[i]]) * bf16_to_float(up[i]));
         }
     }
 }

@@ -89,6 +89,16 @@ def fuses_silu(hidden: torch.Tensor) -> bool:
     return lib is not None and bool(lib.silu_mul_vectorized())
 
 
+def silu_sums() -> int | None:
+    """The address of `silu_mul_sums`, the C function `TileWeight.glu` combines a gate's and an up projection's
+    float32 sums with (SiLU times up, rounded as `silu_mul` of the matmul's bf16 output); None where `silu_mul` is
+    not fused here (`fuses_silu`)."""
+    lib = library()
+    if lib is None or not lib.silu_mul_vectorized():
+        return None
+    return ctypes.cast(lib.silu_mul_sums, ctypes.c_void_p).value
+
+
 def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
     """`silu(gate) * up` for `gate_up` [rows, 2 * width] (the gate's `width` values, then the up projection's; rows may
     be strided), rounded as `F.silu(gate).mul_(up)` rounds in bf16; a new tensor [rows, width]."""
