@@ -3,6 +3,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 static inline float bf16_to_float(uint16_t x) {
     union { uint32_t u; float f; } v;
@@ -17,45 +21,84 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as PyT
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* `float_to_bf16` on 16 lanes (in the low half of each 32-bit lane): subnormals kept, as PyTorch keeps them (the
+   CPU's own bf16 conversion flushes them to zero). */
+static inline __m512i bf16_bits16(__m512 f) {
+    __m512i bits = _mm512_castps_si512(f);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
+}
+
+/* `float_to_bf16` on 16 lanes, as 16 bf16s: the CPU's conversion, which rounds as it does but for subnormals
+   (it flushes them to zero), which take `bf16_bits16`. */
+static inline __m256i bf16_round16(__m512 f) {
+    __mmask16 subnormal = _mm512_cmp_ps_mask(_mm512_abs_ps(f), _mm512_set1_ps(1.17549435e-38f), _CMP_LT_OQ)
+                          & _mm512_cmp_ps_mask(f, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    if (__builtin_expect(subnormal != 0, 0)) return _mm512_cvtepi32_epi16(bf16_bits16(f));
+    return (__m256i)_mm512_cvtneps_pbh(f);
+}
+
+/* 16 bf16s from `p`, as floats. */
+static inline __m512 widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
+/* PyTorch's float vectors on AVX2 and AVX-512 CPUs: 8 lanes (its sums have no AVX-512 build). */
+enum { LANES = 8 };
+#if defined(__AVX2__)
+typedef __m256 lanes_t;
+static inline lanes_t lanes_zero(void) { return _mm256_setzero_ps(); }
+static inline lanes_t lanes_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline lanes_t lanes_add(lanes_t a, lanes_t b) { return _mm256_add_ps(a, b); }
+#else
+typedef struct { float l[LANES]; } lanes_t;
+static inline lanes_t lanes_zero(void) { lanes_t z = {{0}}; return z; }
+static inline lanes_t lanes_load(const float *p) { lanes_t r; memcpy(r.l, p, sizeof r.l); return r; }
+static inline lanes_t lanes_add(lanes_t a, lanes_t b) {
+    for (int l = 0; l < LANES; l++) a.l[l] += b.l[l];
+    return a;
+}
+#endif
+
 /* The sum of `x[0..n)` in the order PyTorch's CPU kernel sums a contiguous float32 row (aten's SumKernel.cpp:
    `vectorized_inner_sum` over vectors of 8 floats (it has no AVX-512 build: AVX-512 CPUs run its AVX2 one), its
    `row_sum` over 4 interleaved accumulators, each a `multi_row_sum` cascade of 4 levels; then the scalar tail and
    the lanes in order), so that a norm's scale is PyTorch's to the bit. */
 static float torch_order_sum(const float *x, int64_t n) {
-    enum { ILP = 4, LEVELS = 4, LANES = 8 };
-    float acc[LEVELS][ILP][LANES] = {{{0}}};
-    const int64_t lanes = LANES;
-    int64_t vectors = n / lanes, rows = vectors / ILP;
+    enum { ILP = 4, LEVELS = 4 };
+    lanes_t acc[LEVELS][ILP];
+    for (int64_t level = 0; level < LEVELS; level++)
+        for (int64_t k = 0; k < ILP; k++) acc[level][k] = lanes_zero();
+    int64_t vectors = n / LANES, rows = vectors / ILP;
     int64_t log2 = 0;
     while (((int64_t)1 << log2) < rows) log2++;
     int64_t power = log2 / LEVELS > 4 ? log2 / LEVELS : 4, step = (int64_t)1 << power, mask = step - 1;
     int64_t i = 0;
     while (i + step <= rows) {
         for (int64_t j = 0; j < step; j++, i++)
-            for (int64_t k = 0; k < ILP; k++)
-                for (int64_t l = 0; l < lanes; l++) acc[0][k][l] += x[(i * ILP + k) * lanes + l];
+            for (int64_t k = 0; k < ILP; k++) acc[0][k] = lanes_add(acc[0][k], lanes_load(x + (i * ILP + k) * LANES));
         for (int64_t level = 1; level < LEVELS; level++) {
-            for (int64_t k = 0; k < ILP; k++)
-                for (int64_t l = 0; l < lanes; l++) {
-                    acc[level][k][l] += acc[level - 1][k][l];
-                    acc[level - 1][k][l] = 0.f;
-                }
+            for (int64_t k = 0; k < ILP; k++) {
+                acc[level][k] = lanes_add(acc[level][k], acc[level - 1][k]);
+                acc[level - 1][k] = lanes_zero();
+            }
             if ((i & (mask << (level * power))) != 0) break;
         }
     }
     for (; i < rows; i++)
-        for (int64_t k = 0; k < ILP; k++)
-            for (int64_t l = 0; l < lanes; l++) acc[0][k][l] += x[(i * ILP + k) * lanes + l];
+        for (int64_t k = 0; k < ILP; k++) acc[0][k] = lanes_add(acc[0][k], lanes_load(x + (i * ILP + k) * LANES));
     for (int64_t level = 1; level < LEVELS; level++)
-        for (int64_t k = 0; k < ILP; k++)
-            for (int64_t l = 0; l < lanes; l++) acc[0][k][l] += acc[level][k][l];
-    for (int64_t v = rows * ILP; v < vectors; v++)
-        for (int64_t l = 0; l < lanes; l++) acc[0][0][l] += x[v * lanes + l];
-    for (int64_t k = 1; k < ILP; k++)
-        for (int64_t l = 0; l < lanes; l++) acc[0][0][l] += acc[0][k][l];
-    float total = 0.f;
-    for (int64_t t = vectors * lanes; t < n; t++) total += x[t];
-    for (int64_t l = 0; l < lanes; l++) total += acc[0][0][l];
+        for (int64_t k = 0; k < ILP; k++) acc[0][k] = lanes_add(acc[0][k], acc[level][k]);
+    for (int64_t v = rows * ILP; v < vectors; v++) acc[0][0] = lanes_add(acc[0][0], lanes_load(x + v * LANES));
+    for (int64_t k = 1; k < ILP; k++) acc[0][0] = lanes_add(acc[0][0], acc[0][k]);
+    float total = 0.f, lanes[LANES];
+    memcpy(lanes, &acc[0][0], sizeof lanes);
+    for (int64_t t = vectors * LANES; t < n; t++) total += x[t];
+    for (int64_t l = 0; l < LANES; l++) total += lanes[l];
     return total;
 }
 
@@ -69,16 +112,29 @@ int add_rms_norm(uint16_t *hidden, const uint16_t *addend, const uint16_t *weigh
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *h = hidden + r * width;
         uint16_t *o = out + r * width;
+        int64_t i = 0;
         if (addend) {
             const uint16_t *a = addend + r * width;
-            for (int64_t i = 0; i < width; i++) h[i] = float_to_bf16(bf16_to_float(h[i]) + bf16_to_float(a[i]));
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+            for (; i + 16 <= width; i += 16)
+                _mm256_storeu_si256((__m256i *)(h + i), bf16_round16(_mm512_add_ps(widen16(h + i), widen16(a + i))));
+#endif
+            for (; i < width; i++) h[i] = float_to_bf16(bf16_to_float(h[i]) + bf16_to_float(a[i]));
         }
-        for (int64_t i = 0; i < width; i++) {
+        for (i = 0; i < width; i++) {
             float x = bf16_to_float(h[i]);
             squares[i] = x * x;
         }
         float scale = 1.f / sqrtf(torch_order_sum(squares, width) / (float)width + eps);
-        for (int64_t i = 0; i < width; i++)
+        i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        for (; i + 16 <= width; i += 16) {
+            __m256i normed = bf16_round16(_mm512_mul_ps(widen16(h + i), _mm512_set1_ps(scale)));
+            _mm256_storeu_si256((__m256i *)(o + i), bf16_round16(_mm512_mul_ps(widen16(weight + i), _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(normed), 16)))));
+        }
+#endif
+        for (; i < width; i++)
             o[i] = float_to_bf16(bf16_to_float(weight[i]) * bf16_to_float(float_to_bf16(bf16_to_float(h[i]) * scale)));
     }
     free(squares);
@@ -107,27 +163,6 @@ void rope(const uint16_t *x, int64_t row_stride, const uint16_t *cos, const uint
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-
-/* `float_to_bf16` on 16 lanes (in the low half of each 32-bit lane): subnormals kept, as PyTorch keeps them (the
-   CPU's own bf16 conversion flushes them to zero). */
-static inline __m512i bf16_bits16(__m512 f) {
-    __m512i bits = _mm512_castps_si512(f);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
-}
-
-/* `float_to_bf16` on 16 lanes, as 16 bf16s: the CPU's conversion, which rounds as it does but for subnormals
-   (it flushes them to zero), which take `bf16_bits16`. */
-static inline __m256i bf16_round16(__m512 f) {
-    __mmask16 subnormal = _mm512_cmp_ps_mask(_mm512_abs_ps(f), _mm512_set1_ps(1.17549435e-38f), _CMP_LT_OQ)
-                          & _mm512_cmp_ps_mask(f, _mm512_setzero_ps(), _CMP_NEQ_UQ);
-    if (__builtin_expect(subnormal != 0, 0)) return _mm512_cvtepi32_epi16(bf16_bits16(f));
-    return (__m256i)_mm512_cvtneps_pbh(f);
-}
-
 /* `sleef_expf` on 16 lanes. */
 static inline __m512 sleef_expf16(__m512 d) {
     __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(d, _mm512_set1_ps(
