@@ -113,6 +113,22 @@ def test_rows_leave_and_join_in_room_without_reallocating() -> None:
         _check(batch, layer, room, twin.cache.update(keys, values, layer))
 
 
+def test_several_prompts_join_free_rows_of_the_room_at_once() -> None:
+    batch, twin = _filled(5, 6, seed=8), _filled(5, 6, seed=8)
+    _stepped(batch, twin, 2, seed=30)
+    keep = compacted_rows([False, True, False, True, False])
+    batch.keep(keep)
+    twin.keep(keep)
+    place = batch.cache.layers[0].keys.data_ptr()
+    batch.merge(_filled(1, 4, seed=9), _filled(1, 8, seed=10))  # two prompts take the two free rows, in order
+    for other in (_filled(1, 4, seed=9), _filled(1, 8, seed=10)):
+        twin.merge(other)
+    _same(batch, twin)
+    assert batch.cache.layers[0].keys.data_ptr() == place and batch.rows == 5
+    _stepped(batch, twin, 2, seed=50)
+    _same(batch, twin)
+
+
 def test_a_batch_mostly_gone_or_a_longer_prompt_moves_into_new_tensors() -> None:
     batch, twin = _filled(4, 5, seed=5), _filled(4, 5, seed=5)
     _stepped(batch, twin, 1, seed=60)

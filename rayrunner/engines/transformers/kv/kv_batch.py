@@ -180,9 +180,9 @@ class BatchCache:
         layer.keys, layer.values = keys[:rows, :, : length + 1], values[:rows, :, : length + 1]
 
     def merge(self, *others: BatchCache) -> None:
-        """Append the rows of `others`, in order, left-padding the shorter ones: one cache is written into free
-        rows of the room when it has them and is not longer; else every layer is copied once into new tensors."""
-        if not others or (len(others) == 1 and self._merge_in_room(others[0])):
+        """Append the rows of `others`, in order, left-padding the shorter ones: written into free rows of the room
+        when it has them for all and none is longer; else every layer is copied once into new tensors."""
+        if not others or self._merge_in_room(others):
             return  # nothing to append (a prompt prefilled alone), or written into the room
         caches = [self, *others]
         length = max(cache.length for cache in caches)
@@ -244,20 +244,25 @@ class BatchCache:
         self.mask = mask
         return True
 
-    def _merge_in_room(self, other: BatchCache) -> bool:
+    def _merge_in_room(self, others: tuple[BatchCache, ...]) -> bool:
         rooms, rows, length = self._rooms(), self.rows, self.length
-        theirs = _any_layers(other.cache)
-        if rooms is None or rows + other.rows > rooms[0][0].shape[0] or other.length > length \
-                or len(theirs) != len(rooms) or not all(_holds_kv(layer) for layer in theirs):
+        theirs = [_any_layers(other.cache) for other in others]
+        end = rows + sum(other.rows for other in others)
+        if rooms is None or end > rooms[0][0].shape[0] or any(other.length > length for other in others) \
+                or any(len(layers) != len(rooms) or not all(_holds_kv(layer) for layer in layers)
+                       for layers in theirs):
             return False
-        start, end = length - other.length, rows + other.rows
-        for (keys, values), layer in zip(rooms, theirs, strict=True):
+        for index, (keys, values) in enumerate(rooms):
             keys[rows:end].zero_()
             values[rows:end].zero_()
-            keys[rows:end, :, start:length].copy_(layer.keys)
-            values[rows:end, :, start:length].copy_(layer.values)
+            row = rows
+            for other, layers in zip(others, theirs, strict=True):
+                start, below = length - other.length, row + other.rows
+                keys[row:below, :, start:length].copy_(layers[index].keys)
+                values[row:below, :, start:length].copy_(layers[index].values)
+                row = below
         self._view_rooms(rooms, end, length)
-        self.mask = torch.cat([self.mask, _pad_left(other.mask, length)], dim=0)
+        self.mask = torch.cat([self.mask, *(_pad_left(other.mask, length) for other in others)], dim=0)
         return True
 
     def _view_rooms(self, rooms: list[tuple[torch.Tensor, torch.Tensor]], rows: int, length: int) -> None:

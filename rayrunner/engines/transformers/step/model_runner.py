@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rayrunner.engines.lora import LoraAdapters
-from rayrunner.engines.transformers.kv.kv_batch import BatchCache, new_cache
+from rayrunner.engines.transformers.kv.kv_batch import BatchCache, merged, new_cache
 from rayrunner.engines.transformers.kv.kv_budget import BatchShape
 from rayrunner.engines.transformers.kv.kv_memory import KvMemory, cache_bytes
 from rayrunner.engines.transformers.kv.prefix_cache import BLOCK, BlockKV, cache_of
@@ -51,11 +51,17 @@ class ModelRunner:
     # ------------------------------------------------------------ figures for the planner
 
     def batch_shape(self) -> BatchShape | None:
-        return None if self.batch is None else self.shape(self.batch)
+        return None if self.batch is None else self.shape([self.batch])
 
     @staticmethod
-    def shape(cache: BatchCache) -> BatchShape:
-        return BatchShape(cache.rows, cache.length, cache_bytes(cache.cache), cache.room_left())
+    def shape(caches: list[BatchCache]) -> BatchShape:
+        """`caches` as the one batch they make merged (each left-padded to the longest)."""
+        if len(caches) == 1:
+            cache = caches[0]
+            return BatchShape(cache.rows, cache.length, cache_bytes(cache.cache), cache.room_left())
+        length = max(cache.length for cache in caches)
+        nbytes = sum(cache_bytes(cache.cache) * length // max(cache.length, 1) for cache in caches)
+        return BatchShape(sum(cache.rows for cache in caches), length, nbytes)
 
     def probe(self) -> None:
         """Learn the KV budget's costs (once: forward passes of one and of two tokens)."""
@@ -127,26 +133,28 @@ class ModelRunner:
         sequence.prefilled = end
         return logits[:, -1, :], cache
 
-    def first_tokens(self, group: list[Sequence], logits: torch.Tensor, cache: BatchCache) -> list[Sequence]:
-        """Each choice of the prefilled `group` (its rows in `cache`, its last logits) takes its first token (a fork
-        gets a copy of its request's row); the choices, in the rows they now hold."""
-        rows = [row for row, s in enumerate(group) for _ in s.joining]
+    def first_tokens(self, group: list[Sequence], logits: torch.Tensor, caches: list[BatchCache]) -> list[Sequence]:
+        """Each choice of the prefilled `group` (its rows in `caches`, one after another, its last logits) takes its
+        first token (a fork gets a copy of its request's row); the choices, in the rows they now hold."""
         choices = [choice for s in group for choice in s.joining]
         if len(choices) > len(group):
-            cache.keep(rows)
-            logits = logits[rows]
+            first = 0
+            for cache in caches:
+                cache.keep([row for row, s in enumerate(group[first: first + cache.rows]) for _ in s.joining])
+                first += cache.rows
+            logits = logits[[row for row, s in enumerate(group) for _ in s.joining]]
         for choice in choices:
             if choice.params.max_tokens == 0:
                 choice.finish_empty()
         self.sample(choices, logits)
         return choices
 
-    def join(self, cache: BatchCache) -> None:
-        """A prefilled cache joins the running batch (its rows after the batch's)."""
+    def join(self, caches: list[BatchCache]) -> None:
+        """Prefilled caches join the running batch (their rows after the batch's, in order), each copied once."""
         if self.batch is None:
-            self.batch = cache
+            self.batch = merged(caches)
         else:
-            self.batch.merge(cache)
+            self.batch.merge(*caches)
 
     # ------------------------------------------------------------ decode
 
@@ -225,17 +233,17 @@ class ModelRunner:
 
     # ------------------------------------------------------------ KV moves
 
-    def keep_prefixes(self, rows: list[tuple[int, Sequence]], cache: BatchCache,
-                      held_after_step: Callable[[], int]) -> None:
-        """Leave the full blocks of the tokens `cache` holds for each (row, sequence) in the prefix cache, as far as
-        the budget has room beside what the batch and a chunked prompt hold after the next step (the planner's
-        `held_after_step()`) and `cache` itself when it is not the batch."""
+    def keep_prefixes(self, rows: list[tuple[BatchCache, int, Sequence]], held_after_step: Callable[[], int]) -> None:
+        """Leave the full blocks of the tokens each (cache, row, sequence) holds in the prefix cache, as far as the
+        budget has room beside what the batch and a chunked prompt hold after the next step (the planner's
+        `held_after_step()`) and the caches that are not the batch."""
         prefix = self.memory.prefix
-        kept = [(row, s) for row, s in rows if s.reusable and not s.failed]
+        kept = [(cache, row, s) for cache, row, s in rows if s.reusable and not s.failed]
         if prefix is None or not kept:
             return
-        held = held_after_step() + (cache_bytes(cache.cache) if cache is not self.batch else 0)
-        for row, sequence in kept:
+        apart = {id(cache): cache for cache, _, _ in kept if cache is not self.batch}
+        held = held_after_step() + sum(cache_bytes(cache.cache) for cache in apart.values())
+        for cache, row, sequence in kept:
             ids = (sequence.prompt_ids + sequence.output_ids)[: int(cache.mask[row].sum())]
             prefix.store(ids, sequence.namespace, cache.row_kv(row),
                          lambda nbytes: self.memory.make_room(held + nbytes))

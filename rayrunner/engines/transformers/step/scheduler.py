@@ -48,7 +48,6 @@ from rayrunner.engines.transformers.kv.kv_batch import (
     BatchCache,
     compacted_rows,
     mergeable,
-    merged,
     plain_attention,
     recurrent,
 )
@@ -342,7 +341,7 @@ class StepScheduler:
             self._refuse(plan)
         elif isinstance(plan, Group):
             group = list(plan.sequences)
-            self._guarded(group, lambda: self._started(group, *self.runner.prefill_group(group)))
+            self._guarded(group, lambda: self._group_started(group))
         elif isinstance(plan, Chunk):
             chunk = plan
             self._guarded([chunk.sequence], lambda: self._prefill_chunk(chunk))
@@ -405,19 +404,26 @@ class StepScheduler:
         """Feed the planned chunk of a long prompt; after the last one it joins the running batch."""
         logits, cache = self.runner.prefill_chunk(chunk.sequence, chunk.start, chunk.end)
         if chunk.last:
-            self._started([chunk.sequence], logits, cache)
+            self._started([chunk.sequence], logits, [cache])
 
-    def _started(self, group: list[Sequence], logits: torch.Tensor, cache: BatchCache) -> None:
-        """Sequences whose prompt is in `cache`: their blocks go to the prefix cache, each choice takes its first
-        token, and they join the running batch once the planner's room is made."""
-        self.runner.keep_prefixes(list(enumerate(group)), cache, self._held_after_step)
-        choices = self.runner.first_tokens(group, logits, cache)
+    def _group_started(self, group: list[Sequence]) -> None:
+        logits, cache = self.runner.prefill_group(group)
+        self._started(group, logits, [cache])
+
+    def _started(self, group: list[Sequence], logits: torch.Tensor, caches: list[BatchCache]) -> None:
+        """Sequences whose prompts are in `caches` (each holding the next of them, in order): their blocks go to the
+        prefix cache, each choice takes its first token, and they join the running batch once the planner's room is
+        made, in one copy of every cache."""
+        rows = [(cache, row) for cache in caches for row in range(cache.rows)]
+        self.runner.keep_prefixes([(cache, row, s) for (cache, row), s in zip(rows, group, strict=True)],
+                                  self._held_after_step)
+        choices = self.runner.first_tokens(group, logits, caches)
         with self._cond:
             self._prefilling, self._chunking = [], None
-        self.runner.drop_chunk()  # a chunked prompt's cache is `cache`, which joins the batch
-        joining = self.runner.shape(cache)
+        self.runner.drop_chunk()  # a chunked prompt's cache is in `caches`, which join the batch
+        joining = self.runner.shape(caches)
         self._make_room(lambda: self.planner.room_to_join(self._kv(), joining, self._by_age()))
-        self.runner.join(cache)
+        self.runner.join(caches)
         for choice in choices:
             choice.joined = next(self._joins)
         with self._cond:
@@ -466,8 +472,8 @@ class StepScheduler:
         self._guarded(sequences, lambda: self._joined(sequences, self.runner.feed_prompts(prompts), caches))
 
     def _joined(self, sequences: list[Sequence], logits: torch.Tensor, caches: list[BatchCache]) -> None:
-        """Prompts fully fed (beside a decode step, or aside) start: their caches merged into the first."""
-        self._started(sequences, logits, merged(caches))
+        """Prompts fully fed (beside a decode step, or aside) start, each from its own cache."""
+        self._started(sequences, logits, caches)
 
     # ------------------------------------------------------------ decode and the KV moves
 
@@ -518,8 +524,9 @@ class StepScheduler:
             return
         keep = compacted_rows(done_rows)
         if self.runner.batch is not None:
-            done = [(row, s) for row, s in enumerate(self._running) if s.done]
-            self.runner.keep_prefixes(done, self.runner.batch, self._held_after_step)
+            batch = self.runner.batch
+            done = [(batch, row, s) for row, s in enumerate(self._running) if s.done]
+            self.runner.keep_prefixes(done, self._held_after_step)
         with self._cond:
             self._running = [self._running[i] for i in keep]
         self.runner.keep_rows(keep)
