@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18, MAX_GROUP = 6, TILE_ELEMENTS = 512, AHEAD = 4096,
-       CHUNK_ROWS = 256 };
+       CHUNK_ROWS = 512 };
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];

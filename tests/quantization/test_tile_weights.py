@@ -35,7 +35,7 @@ def test_a_packed_weight_unpacks_exactly(n: int, k: int) -> None:
 
 @needs_tiles
 @pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (160, 64), (112, 32)])
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 300])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 300, 1100])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_multiply_is_onednns_for_decode_rows_and_float32_within_rounding(n: int, k: int, rows: int,
                                                                          with_bias: bool) -> None:
@@ -70,7 +70,7 @@ def test_each_row_is_the_same_alone_or_in_any_batch(threads: int) -> None:
 
 @needs_tiles
 @pytest.mark.parametrize("n, k", [(3072, 576), (192, 64), (128, 32)])  # SmolLM2's gate/up; groups of 6, 4
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 300])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 300, 1100])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_glu_is_silu_mul_of_the_matmul_to_the_bit(n: int, k: int, rows: int, threads: int) -> None:
     from rayrunner.engines.transformers.step import fused_ops
