@@ -56,6 +56,50 @@ def shapes(rows: list[int], layers: int) -> None:
                   f"{ours / theirs:.2f}x |")
 
 
+def gate_up_silu(rows: list[int], layers: int, rounds: int) -> None:
+    """SmolLM2's gate/up and SiLU times up per layer: from the tiles' sums (`TileWeight.glu`) against the matmul
+    then `silu_mul`, alternating, medians of `rounds`."""
+    from rayrunner.engines.transformers.step import fused_ops
+
+    combiner = fused_ops.silu_sums()
+    if combiner is None:
+        return
+    n, k = SHAPES["gate/up"]
+    tiles = [tile_weights.TileWeight((torch.randn(n, k) * 0.05).to(torch.bfloat16)) for _ in range(layers)]
+    print("\n| gate/up + SiLU, rows | from the sums us | matmul, then silu_mul us | ratio |\n|---|---|---|---|")
+    for m in rows:
+        x = torch.randn(m, k).to(torch.bfloat16)
+        fused, apart = [_Glu(w, combiner) for w in tiles], [_ThenSilu(w) for w in tiles]
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(rounds):
+            times[True].append(per_call_us(fused, x))
+            times[False].append(per_call_us(apart, x))
+        ours, theirs = statistics.median(times[True]), statistics.median(times[False])
+        print(f"| {m} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f}x |")
+
+
+class _Glu:
+    """A tile weight's halves through `glu`, shaped as a weight for `per_call_us`."""
+
+    def __init__(self, weight: tile_weights.TileWeight, combiner: int) -> None:
+        self.weight, self.combiner = weight, combiner
+
+    def multiply(self, x: torch.Tensor, bias: None) -> torch.Tensor:
+        return self.weight.glu(x, self.combiner)
+
+
+class _ThenSilu:
+    """A tile weight's matmul, then `silu_mul`, shaped as a weight for `per_call_us`."""
+
+    def __init__(self, weight: tile_weights.TileWeight) -> None:
+        self.weight = weight
+
+    def multiply(self, x: torch.Tensor, bias: None) -> torch.Tensor:
+        from rayrunner.engines.transformers.step import fused_ops
+
+        return fused_ops.silu_mul(self.weight.multiply(x, None), self.weight.n // 2)
+
+
 def repacked(model: Any, tiles: bool) -> None:
     """`model`'s Linears packed again, for the tiles (`tiles`) or for oneDNN."""
     packed_linear.unpack_linears(model)
@@ -109,6 +153,7 @@ def main() -> None:
     print(cpu_line())
     print(f"torch threads {args.threads}; per call: best of 5 passes over 30 layers' weights (the head's: 2)")
     shapes([*args.rows, 124, 1860], layers=30)
+    gate_up_silu([*args.rows, 64, 256, 1620], layers=30, rounds=args.rounds)
     model = load("bf16")
     print(f"\nSmolLM2 bf16, ~{args.context}-token context, medians of {args.rounds} alternating rounds")
     print("| work | tiles ms | oneDNN ms | tiles / oneDNN |\n|---|---|---|---|")

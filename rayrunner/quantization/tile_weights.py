@@ -10,7 +10,8 @@ were the same to the bit on SmolLM2's shapes). Figures: docs/performance.md, "Ma
 Layout: the weight [n, k] in groups of `group` blocks of 16 outputs (6 where n allows: the tiles left for sums), each
 group's tiles block by block of 32 inputs, a tile holding 16 input pairs of 16 outputs (the pairs AMX's bf16
 multiply takes). A plain tensor: it can be unpacked (`dense`) for a sleep or for peft. Prompts' many rows go through
-the same kernel 16 rows at a time, the group's weights then in cache.
+the same kernel 32 rows at a time, the group's weights then in cache. A gate and an up projection packed side by side
+can be multiplied and combined in one pass (`glu`: SiLU times up from the float32 sums, neither written).
 
 On CPUs without AMX, without a C compiler, or with `RAYRUNNER_TILE_GEMM=0`, `library()` is None and weights are
 packed for oneDNN.

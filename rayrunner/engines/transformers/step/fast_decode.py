@@ -10,7 +10,8 @@ the operations around it:
   no second copy), so a layer takes 4 int8 kernel calls instead of 7, made directly for a few bf16 rows; packed bf16
   weights share one packed weight each the same way (`FusedPack`);
 - in bf16 on a CPU, fused operations (`fused_ops`, one call each, rounded as the operations they replace round)
-  where they are built: each residual add with the RMSNorm after it, RoPE, and SiLU times up; else transformers'
+  where they are built: each residual add with the RMSNorm after it, RoPE, and SiLU times up (from the gate/up
+  matmul's sums where that weight is on the AMX tiles: `TileWeight.glu`); else transformers'
   operations inlined (the norms in float32, in place where they allocate a scratch tensor);
 - RoPE on the query and key heads at once: the heads times the cosine plus their halves swapped (`roll`) times a
   sine whose first half is negated;

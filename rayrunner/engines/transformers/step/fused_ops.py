@@ -8,7 +8,9 @@ call than it saves at a few rows: docs/performance.md, "Fused operations"). Each
 step made several, computing what PyTorch's operations compute to the bit (every intermediate rounded to bf16 where
 they round it, sums added in their order): `add_rms_norm`, `rope`, and `silu_mul` (SiLU of the gate times the up
 projection, its exponential SLEEF's `expf_u10` operation for operation, as PyTorch's vectorized exp: equal to
-PyTorch's on every bf16 input, tested exhaustively).
+PyTorch's on every bf16 input, tested exhaustively; SiLU itself a lookup in a table of every bf16 input, filled when
+the library loads). `silu_sums` hands the tile kernel (`TileWeight.glu`) the same SiLU times up on a matmul's
+float32 sums, so that the gate and up projections need not be written at all.
 
 The C file is built for the node's CPU at first use (`native_build`). Without a compiler, or where the build fails,
 `library()` is None and the step keeps PyTorch's operations. `RAYRUNNER_FUSED_OPS=0` turns the fused path off.
