@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18, MAX_GROUP = 6, TILE_ELEMENTS = 512, AHEAD = 4096,
-       CHUNK_ROWS = 512 };
+       CHUNK_ROWS = 512, PART_BLOCKS = 16 };
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -85,33 +85,46 @@ static void group_rows(const uint16_t *x, int64_t x_stride, int64_t rows, int64_
 }
 
 /* 17 to 32 `rows` of y for the outputs of one group, as `group_rows`, two blocks of outputs at a time. Plan
-   PAIRS; `sums` holds 4 * 256 floats. */
+   PAIRS. The inputs go in parts of at most PART_BLOCKS blocks of 32, every pair of blocks over one part before the
+   next, so that a part of the rows stays in the first-level cache while the pairs pass over it; between parts a
+   pair's float32 sums wait in `sums` (4 * 256 floats a pair), from where the tiles add on as if they had kept them. */
 static void pair_rows(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t k, const uint16_t *weights,
                       int64_t group, const uint16_t *bias, uint16_t *y, int64_t y_stride, float *sums) {
-    int64_t blocks = k / 32;
-    for (int64_t g = 0; g < group; g += 2) {
-        int two = g + 1 < group;
-        _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
-        for (int64_t b = 0; b < blocks; b++) {
-            _tile_loadd(0, x + b * 32, x_stride * 2);
-            _tile_loadd(1, x + 16 * x_stride + b * 32, x_stride * 2);
-            _tile_stream_loadd(2, weights + (b * group + g) * TILE_ELEMENTS, 64);
-            _tile_dpbf16ps(4, 0, 2);
-            _tile_dpbf16ps(6, 1, 2);
-            if (two) {
-                _tile_stream_loadd(3, weights + (b * group + g + 1) * TILE_ELEMENTS, 64);
-                _tile_dpbf16ps(5, 0, 3);
-                _tile_dpbf16ps(7, 1, 3);
+    int64_t blocks = k / 32, parts = (blocks + PART_BLOCKS - 1) / PART_BLOCKS, per_part = (blocks + parts - 1) / parts;
+    for (int64_t first = 0; first < blocks; first += per_part) {
+        int64_t last = first + per_part < blocks ? first + per_part : blocks;
+        for (int64_t g = 0; g < group; g += 2) {
+            int two = g + 1 < group;
+            float *pair = sums + g / 2 * 1024; /* the first 16 rows of both blocks, then the rest of both */
+            if (first == 0) {
+                _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+            } else {
+                _tile_loadd(4, pair, 64); _tile_loadd(5, pair + 256, 64);
+                _tile_loadd(6, pair + 512, 64); _tile_loadd(7, pair + 768, 64);
             }
+            for (int64_t b = first; b < last; b++) {
+                _tile_loadd(0, x + b * 32, x_stride * 2);
+                _tile_loadd(1, x + 16 * x_stride + b * 32, x_stride * 2);
+                _tile_stream_loadd(2, weights + (b * group + g) * TILE_ELEMENTS, 64);
+                _tile_dpbf16ps(4, 0, 2);
+                _tile_dpbf16ps(6, 1, 2);
+                if (two) {
+                    _tile_stream_loadd(3, weights + (b * group + g + 1) * TILE_ELEMENTS, 64);
+                    _tile_dpbf16ps(5, 0, 3);
+                    _tile_dpbf16ps(7, 1, 3);
+                }
+            }
+            _tile_stored(4, pair, 64);
+            _tile_stored(5, pair + 256, 64);
+            _tile_stored(6, pair + 512, 64);
+            _tile_stored(7, pair + 768, 64);
         }
-        /* sums: the first 16 rows of both blocks, then the rest of both */
-        _tile_stored(4, sums, 64);
-        _tile_stored(5, sums + 256, 64);
-        _tile_stored(6, sums + 512, 64);
-        _tile_stored(7, sums + 768, 64);
+    }
+    for (int64_t g = 0; g < group; g += 2) {
         const uint16_t *add = bias ? bias + g * 16 : NULL;
-        emit(sums, 16, 1 + two, add, y + g * 16, y_stride);
-        emit(sums + 512, rows - 16, 1 + two, add, y + 16 * y_stride + g * 16, y_stride);
+        int count = g + 1 < group ? 2 : 1;
+        emit(sums + g / 2 * 1024, 16, count, add, y + g * 16, y_stride);
+        emit(sums + g / 2 * 1024 + 512, rows - 16, count, add, y + 16 * y_stride + g * 16, y_stride);
     }
 }
 
@@ -126,7 +139,7 @@ int tile_gemm(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const u
     int64_t groups = n / (16 * group), group_elements = group * 16 * k;
 #pragma omp parallel num_threads(threads)
     {
-        float sums[MAX_GROUP * 256];
+        float sums[(MAX_GROUP + 1) / 2 * 1024]; /* SIXES: a group's sums; PAIRS: each pair's */
         int plan = -1, configured = 0;
         /* rows a chunk at a time, so that a chunk's rows stay in cache while every group passes over them */
         for (int64_t start = 0; start < m; start += CHUNK_ROWS) {
