@@ -191,7 +191,8 @@ static void configure_glu(int rows) {
 }
 
 /* Up to 32 `rows` of the combined output for one gate group and the up group beside it (`gate`, `up`: their tiles,
-   block by block of 32 inputs), block by block of 16 outputs, through `sums` (4 * 256 floats). */
+   block by block of 32 inputs), block by block of 16 outputs, through `sums` (2 * 4 * 256 floats: a block's sums
+   are combined while the tiles multiply the next block's into the other half). */
 static void glu_rows(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t k, const uint16_t *gate,
                      const uint16_t *up, int64_t group, sums_combiner combine, uint16_t *out, int64_t out_stride,
                      float *sums) {
