@@ -41,10 +41,13 @@ static inline __m256i bf16_round16(__m512 f) {
     return (__m256i)_mm512_cvtneps_pbh(f);
 }
 
-/* 16 bf16s from `p`, as floats. */
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+/* 16 bf16s, as floats. */
+static inline __m512 widen_bits16(__m256i bf16s) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16s), 16));
 }
+
+/* 16 bf16s from `p`, as floats. */
+static inline __m512 widen16(const uint16_t *p) { return widen_bits16(_mm256_loadu_si256((const __m256i *)p)); }
 #endif
 
 /* PyTorch's float vectors on AVX2 and AVX-512 CPUs: 8 lanes (its sums have no AVX-512 build). */
@@ -130,8 +133,8 @@ int add_rms_norm(uint16_t *hidden, const uint16_t *addend, const uint16_t *weigh
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
         for (; i + 16 <= width; i += 16) {
             __m256i normed = bf16_round16(_mm512_mul_ps(widen16(h + i), _mm512_set1_ps(scale)));
-            _mm256_storeu_si256((__m256i *)(o + i), bf16_round16(_mm512_mul_ps(widen16(weight + i), _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(normed), 16)))));
+            _mm256_storeu_si256((__m256i *)(o + i), bf16_round16(_mm512_mul_ps(widen16(weight + i),
+                                                                               widen_bits16(normed))));
         }
 #endif
         for (; i < width; i++)
@@ -232,8 +235,7 @@ __attribute__((constructor)) static void fill_silu_table(void) {
 /* bf16(bf16(silu(gate)) * up) on 16 bf16 lanes of each. */
 static inline __m256i silu_mul16(__m256i gate, __m256i up) {
     __m512i silu = _mm512_i32gather_epi32(_mm512_cvtepu16_epi32(gate), (const void *)silu_table, 2);
-    __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(up), 16));
-    return bf16_round16(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(silu, 16)), u));
+    return bf16_round16(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(silu, 16)), widen_bits16(up)));
 }
 
 /* `silu_mul` of a matmul's float32 sums, for `tile_gemm_glu` (tile_gemm.c): `rows` rows of 16 gate and 16 up sums
