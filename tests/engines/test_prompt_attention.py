@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rayrunner.engines.transformers.kv.kv_batch import BatchCache, new_cache
-from rayrunner.engines.transformers.step import prompt_attention
+from rayrunner.engines.transformers.step import fast_decode, prompt_attention
 from rayrunner.engines.transformers.step.fast_decode import FastDecode, PromptChunk
 from rayrunner.quantization.cpu_gemm import amx_tiles
 from rayrunner.runtime import native_build
@@ -106,7 +107,7 @@ def test_a_bf16_prefill_with_the_tiles_answers_as_transformers(tmp_path: Path,
     model = _model(build_kernel_llama(tmp_path), torch.bfloat16)
     fast = FastDecode.for_model(model)
     assert fast is not None
-    calls = _calls(monkeypatch, prompt_attention, "prompt_attention")
+    calls = _calls(monkeypatch, prompt_attention, "prompts_attention")
     prompts = [[(7 * t + 3) % 60 + 2 for t in range(40)], [(5 * t + 1) % 60 + 2 for t in range(23)]]
 
     def empty() -> BatchCache:
@@ -124,7 +125,7 @@ def test_a_bf16_prefill_with_the_tiles_answers_as_transformers(tmp_path: Path,
     prefill(cached, prompts[1][:9], 0)
     got = fast.prefill([PromptChunk(prompts[0], 0, empty(), fast.heads),
                         PromptChunk(prompts[1][9:], 9, cached, fast.heads)]).float()
-    assert len(calls) == 2 * 2  # both prompts, both layers
+    assert [out.shape[0] for out in calls] == [40 + 14] * 2  # both prompts in one call a layer
     for row, expected in enumerate(want):
         assert _relative(got[row, -1], expected) < 0.02
         assert int(got[row, -1].argmax()) == int(expected.argmax())
@@ -161,3 +162,44 @@ def test_the_kernel_is_on_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -
     prompt_attention.library.cache_clear()
     assert prompt_attention.library() is None
     assert not prompt_attention.attends(query, 3, 1, 64, 2)
+
+
+@needs_tiles
+@torch.inference_mode()
+def test_prompts_attended_together_hold_what_each_alone_holds_to_the_bit(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three prompts fed in one forward (one whole, two after cached tokens, one of them beside nothing cached long
+    enough to need a second block of scores) attend in one call a layer, their keys and values written into a cache
+    tensor of their own: the logits and every layer's cached keys and values are those of each prompt attending on
+    its own (`PromptChunk.attend`, through the cache's `update`)."""
+    model = _model(build_kernel_llama(tmp_path, seed=2), torch.bfloat16)
+    fast = FastDecode.for_model(model)
+    assert fast is not None
+    prompts = [[(7 * t + 3) % 60 + 2 for t in range(40)], [(5 * t + 1) % 60 + 2 for t in range(23)],
+               [(3 * t + 2) % 60 + 2 for t in range(90)]]
+    starts = [0, 9, 31]
+
+    def fed() -> tuple[torch.Tensor, list[BatchCache]]:
+        caches = [BatchCache(new_cache(model.config), torch.zeros((1, 0), dtype=torch.long)) for _ in prompts]
+        for cache, prompt, start in zip(caches, prompts, starts, strict=True):
+            if start:
+                fast.prefill([PromptChunk(prompt[:start], 0, cache, fast.heads)])
+        chunks = [PromptChunk(prompt[start:], start, cache, fast.heads)
+                  for cache, prompt, start in zip(caches, prompts, starts, strict=True)]
+        return fast.prefill(chunks), caches
+
+    together_calls = _calls(monkeypatch, prompt_attention, "prompts_attention")
+    together, together_caches = fed()
+    assert len(together_calls) == 3 * 2  # the two prefixes, then all three prompts in one forward: a call a layer
+    monkeypatch.setattr(fast_decode, "_prompts_table", lambda *args: None)
+    alone, alone_caches = fed()
+    assert torch.equal(together, alone)
+    for mine, theirs in zip(together_caches, alone_caches, strict=True):
+        assert torch.equal(mine.mask, theirs.mask)
+        for layer, other in zip(_kv(mine), _kv(theirs), strict=True):
+            assert torch.equal(layer[0], other[0]) and torch.equal(layer[1], other[1])
+
+
+def _kv(cache: BatchCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    layers: list[Any] = list(cache.cache.layers)
+    return [(layer.keys, layer.values) for layer in layers]

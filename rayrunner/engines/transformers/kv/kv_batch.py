@@ -33,7 +33,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import LinearAttentionCacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin, get_layer_types_and_kwargs
 
 from rayrunner.engines.transformers.kv.kv_budget import MIN_ROOM, grown
 
@@ -47,6 +47,17 @@ def new_cache(config: object) -> DynamicCache:
     if plain_attention(config):
         return DynamicCache()  # layers added as the forward fills them, each a `DynamicLayer`
     return DynamicCache(config=config)  # type: ignore[arg-type]
+
+
+def hold(cache: DynamicCache, kv: torch.Tensor) -> None:
+    """Make one row's `cache` hold `kv` [layers, 2, kv_heads, positions, head_dim]: each layer's keys and values are
+    views of it (written in place by the prompt attention), as `update` would have left them by concatenating."""
+    layers: list[Any] = cache.layers
+    while len(layers) < kv.shape[0]:
+        layers.append(DynamicLayer())
+    for layer, (keys, values) in zip(layers, kv, strict=True):
+        layer.keys, layer.values = keys[None], values[None]
+        layer.device, layer.is_initialized = keys.device, True
 
 
 def plain_attention(config: object) -> bool:

@@ -23,7 +23,9 @@ the operations around it:
   AMX tiles, PyTorch's flash SDPA (grouped heads, its blocks multiplied on the tiles) is faster and takes it.
 
 Text prompts are prefilled through it too (`prefill`, and `PromptChunk`s beside a step), whole or after their cached
-start, each on a cache of its own, their attention on the AMX tiles when asked for (`prompt_attention`); images, LoRA
+start, each on a cache of its own, their attention on the AMX tiles where it is built (`prompt_attention`: every
+prompt of a forward in one call a layer, its keys and values written in place into one tensor of its cache's
+layers, where transformers' cache would concatenate them layer by layer); images, LoRA
 adapters (peft replaces the Linears), scored prompts and other architectures keep transformers' forward:
 `FastDecode.for_model` says None for a model whose decoder layers it does not cover. Where every Linear is on the
 tiles, a step of decode rows alone runs its layers in one C call (`decode_layers`). What this step gains, and what
@@ -41,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from rayrunner.engines.transformers.kv.kv_batch import BatchCache, layer_windows, mergeable
+from rayrunner.engines.transformers.kv.kv_batch import BatchCache, hold, layer_windows, mergeable
 from rayrunner.engines.transformers.step import decode_attention, fused_ops, prompt_attention
 from rayrunner.engines.transformers.step.decode_layers import LayerDriver
 from rayrunner.quantization.cpu_gemm import amx_tiles, wide_dtype
@@ -161,6 +163,7 @@ class FastDecode:
         combiner = fused_ops.silu_sums() if silu_fused else None
         attention = _rows_attention(hidden, heads // kv_heads, dim)
         sliced = attention is not _grouped_attention  # reading only the cached positions of the room
+        table = _prompts_table(prompts, spans, rows, len(self.layers), hidden, heads, kv_heads, dim)
         normed = _add_norm(self.layers[0].input_norm, hidden, None, fused)
         for index, layer in enumerate(self.layers):
             qkv = _projections(layer.attention, QKV, normed, kernel)
@@ -181,8 +184,12 @@ class FastDecode:
                     bias = biases[window] = _attention_bias(mask, keys.shape[2], window)
                 outs.append(attention(both[:rows, :heads].reshape(rows, kv_heads, -1, dim), keys, values, bias,
                                       layer.scaling).view(rows, -1))
-            outs += [prompt.attend(index, layer, both[start:end], qkv[start:end, heads + kv_heads:])
-                     for prompt, (start, end) in zip(prompts, spans, strict=True)]
+            if table is not None:  # every prompt's attention in one call, its keys and values written in place
+                outs.append(prompt_attention.prompts_attention(table[index], both, qkv[:, heads + kv_heads:],
+                                                               width - rows, layer.scaling))
+            else:
+                outs += [prompt.attend(index, layer, both[start:end], qkv[start:end, heads + kv_heads:])
+                         for prompt, (start, end) in zip(prompts, spans, strict=True)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             normed = _add_norm(layer.post_norm, hidden, _linear(layer.o_proj, out, kernel), fused)
             down = _linear(layer.down_proj, _activated(layer, normed, kernel, silu_fused, combiner), kernel)
@@ -212,6 +219,7 @@ class PromptChunk:
         # so that the prompt's logits are its own prefill's bit for bit (in bf16 on AMX tiles, within a rounding)
         self.allowed = self.mask.bool()[:, None, None, :] & causal if start else None
         self.start, self.causal = start, start == 0 or bool(self.mask.all())  # nothing hidden but the future
+        self.kv: torch.Tensor | None = None  # its cache's every layer, written in place (`in_place`)
 
     def attend(self, index: int, layer: _Layer, rotated: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Layer `index`'s attention output [tokens, heads * head_dim] for the tokens' rotated queries and keys
@@ -227,7 +235,31 @@ class PromptChunk:
         out = sdpa_attention_forward(layer.attention, query, keys, values, self.allowed, scaling=layer.scaling)[0]
         return out.reshape(self.ids.shape[0], -1)
 
+    def in_place(self, layers: int, kv_heads: int, head_dim: int, row: int, out_row: int) -> list[list[int]] | None:
+        """Room for its cache's keys and values, every layer's in one tensor (`kv`: [layers, 2, kv_heads, start +
+        tokens, head_dim], held by the cache once fed), and each layer's row of a `prompts_attention` table (its
+        tokens from `row` of the forward's, its output from `out_row`); None when its cached positions are not laid
+        out as the kernel reads them (a position every `head_dim`)."""
+        positions = self.start + self.ids.shape[0]
+        layers_now: list[Any] = list(self.cache.cache.layers) if self.start else []
+        cached = [(layer.keys, layer.values) for layer in layers_now]
+        if self.start and (len(cached) != layers or not all(
+                keys.shape[2] == self.start and keys.stride()[2:] == (head_dim, 1) and keys.stride() == values.stride()
+                for keys, values in cached)):
+            return None
+        self.kv = torch.empty((layers, 2, kv_heads, positions, head_dim), dtype=torch.bfloat16)
+        base, half = self.kv.data_ptr(), kv_heads * positions * head_dim * 2  # bytes: one layer's keys or values
+        cached_at = [(keys.data_ptr(), values.data_ptr(), keys.stride(1)) for keys, values in cached]
+        rows = []
+        for layer, (keys_at, values_at, stride) in enumerate(cached_at or [(0, 0, 0)] * layers):
+            rows.append([row, self.ids.shape[0], self.start, base + 2 * layer * half, base + (2 * layer + 1) * half,
+                         positions * head_dim, keys_at, values_at, stride, out_row])
+        return rows
+
     def grew(self) -> None:
+        if self.kv is not None:
+            hold(self.cache.cache, self.kv)
+            self.kv = None
         self.cache.grew(self.mask)
 
 
@@ -239,6 +271,23 @@ class _Layer:
         self.attention, self.o_proj, self.scaling = layer.self_attn, layer.self_attn.o_proj, layer.self_attn.scaling
         self.mlp, self.down_proj, self.act = layer.mlp, layer.mlp.down_proj, layer.mlp.act_fn
         self.q_norm, self.k_norm = getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)
+
+
+def _prompts_table(prompts: Sequence[PromptChunk], spans: list[tuple[int, int]], rows: int, layers: int,
+                   hidden: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor | None:
+    """Every layer's `prompts_attention` table for `prompts` [layers, prompts, PROMPT_FIELDS] (each prompt's keys
+    and values written into a cache tensor of its own: `PromptChunk.in_place`), or None when the kernel does not
+    take all of them (then each prompt attends on its own, `PromptChunk.attend`)."""
+    if not prompts or not all(prompt.causal and prompt_attention.attends(
+            hidden, heads, kv_heads, head_dim, prompt.start + prompt.ids.shape[0]) for prompt in prompts):
+        return None
+    tables = [prompt.in_place(layers, kv_heads, head_dim, start, start - rows)
+              for prompt, (start, _) in zip(prompts, spans, strict=True)]
+    if any(table is None for table in tables):
+        for prompt in prompts:
+            prompt.kv = None
+        return None
+    return torch.tensor(tables, dtype=torch.int64).transpose(0, 1).contiguous()
 
 
 def _share(owner: nn.Module, names: tuple[str, ...]) -> None:

@@ -230,12 +230,65 @@ int prompt_attention(const uint16_t *query, int64_t query_row_stride, int64_t to
     free(laid);
     return failed ? -1 : 0;
 }
+/* `count` positions of `kv_heads` heads of `dim` (position i's head h at src + i * src_row_stride + h *
+   src_head_stride) into a cache's positions [at, at + count) (head h at dst + h * dst_head_stride, a position every
+   `dim`). */
+static void copy_positions(const uint16_t *src, int64_t src_row_stride, int64_t src_head_stride, int64_t count,
+                           uint16_t *dst, int64_t dst_head_stride, int64_t at, int64_t kv_heads, int64_t dim) {
+    for (int64_t h = 0; h < kv_heads; h++)
+        for (int64_t i = 0; i < count; i++)
+            memcpy(dst + h * dst_head_stride + (at + i) * dim, src + i * src_row_stride + h * src_head_stride,
+                   (size_t)dim * 2);
+}
+
+enum { ROW, TOKENS, START, KEYS, VALUES, HEAD_STRIDE, CACHED_KEYS, CACHED_VALUES, CACHED_HEAD_STRIDE, OUT_ROW,
+       PROMPT_FIELDS };
+
+/* One layer's causal attention of `count` prompts fed in one forward, each on a cache of its own. `rotated` holds
+   the forward's rows (a row every `rotated_row_stride`: `heads` query heads, then `kv_heads` rotated key heads, of
+   `dim` each), `new_values` their value heads (a row every `values_row_stride`). Prompt p is `prompts[p * 10 ...]`:
+   its tokens' first row, its tokens, its cached positions before them (`start`), its cache's keys and values (a
+   head every head_stride, room for start + tokens positions), where its cached positions are now (keys, values,
+   their head stride; 0 when none or already there) and its output's first row in `out`. Each prompt's cached and
+   new keys and values are written into its cache first, then attended as `prompt_attention` does. Returns 0, or
+   the first prompt's failure. */
+int prompts_attention(int64_t count, const int64_t *prompts, const uint16_t *rotated, int64_t rotated_row_stride,
+                      const uint16_t *new_values, int64_t values_row_stride, uint16_t *out, int64_t out_row_stride,
+                      int64_t heads, int64_t kv_heads, int64_t dim, float scale, int threads) {
+    for (int64_t p = 0; p < count; p++) {
+        const int64_t *prompt = prompts + p * PROMPT_FIELDS;
+        int64_t row = prompt[ROW], tokens = prompt[TOKENS], start = prompt[START], stride = prompt[HEAD_STRIDE];
+        uint16_t *keys = (uint16_t *)(intptr_t)prompt[KEYS], *values = (uint16_t *)(intptr_t)prompt[VALUES];
+        if (prompt[CACHED_KEYS] && prompt[CACHED_KEYS] != prompt[KEYS]) {
+            copy_positions((const uint16_t *)(intptr_t)prompt[CACHED_KEYS], dim, prompt[CACHED_HEAD_STRIDE], start,
+                           keys, stride, 0, kv_heads, dim);
+            copy_positions((const uint16_t *)(intptr_t)prompt[CACHED_VALUES], dim, prompt[CACHED_HEAD_STRIDE],
+                           start, values, stride, 0, kv_heads, dim);
+        }
+        const uint16_t *mine = rotated + row * rotated_row_stride;
+        copy_positions(mine + heads * dim, rotated_row_stride, dim, tokens, keys, stride, start, kv_heads, dim);
+        copy_positions(new_values + row * values_row_stride, values_row_stride, dim, tokens, values, stride, start,
+                       kv_heads, dim);
+        int status = prompt_attention(mine, rotated_row_stride, tokens, start, keys, values, stride,
+                                      out + prompt[OUT_ROW] * out_row_stride, out_row_stride, heads, kv_heads, dim,
+                                      scale, threads);
+        if (status) return status;
+    }
+    return 0;
+}
 #else
 int prompt_tiles_ready(void) { return 0; }
 int prompt_attention(const uint16_t *query, int64_t query_row_stride, int64_t tokens, int64_t start,
                      const uint16_t *keys, const uint16_t *values, int64_t kv_head_stride, uint16_t *out,
                      int64_t out_row_stride, int64_t heads, int64_t kv_heads, int64_t dim, float scale, int threads) {
     (void)query, (void)query_row_stride, (void)tokens, (void)start, (void)keys, (void)values, (void)kv_head_stride;
+    (void)out, (void)out_row_stride, (void)heads, (void)kv_heads, (void)dim, (void)scale, (void)threads;
+    return -2;
+}
+int prompts_attention(int64_t count, const int64_t *prompts, const uint16_t *rotated, int64_t rotated_row_stride,
+                      const uint16_t *new_values, int64_t values_row_stride, uint16_t *out, int64_t out_row_stride,
+                      int64_t heads, int64_t kv_heads, int64_t dim, float scale, int threads) {
+    (void)count, (void)prompts, (void)rotated, (void)rotated_row_stride, (void)new_values, (void)values_row_stride;
     (void)out, (void)out_row_stride, (void)heads, (void)kv_heads, (void)dim, (void)scale, (void)threads;
     return -2;
 }

@@ -11,6 +11,10 @@ where oneDNN orders a float32 sum of weighted values differently), so a prompt's
 prefill's. Up to `KEY_BLOCK` positions: past them PyTorch's softmax runs block by block, which this kernel does not,
 so longer ones keep SDPA, as do CPUs without AMX or without a compiler, or with `RAYRUNNER_PROMPT_ATTENTION=0` in
 the cluster's environment.
+
+`prompts_attention` takes every prompt of one forward in one call a layer: each one's cached and new keys and values
+are copied into a cache tensor of its own first: no concatenation layer by layer, no Python prompt by prompt
+(docs/performance.md, "Prompt attention on the tiles").
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ SOURCE = Path(__file__).with_suffix(".c")
 SWITCH_ENV = "RAYRUNNER_PROMPT_ATTENTION"
 HEAD_DIMS = (64, 128)  # what the kernel is built for
 KEY_BLOCK = 512  # PyTorch's flash attention's block of keys on CPU: the softmax of one block is one pass
+PROMPT_FIELDS = 10  # a prompt's row of a `prompts_attention` table (`prompts_attention` in prompt_attention.c)
 
 
 @functools.cache
@@ -40,7 +45,9 @@ def library() -> ctypes.CDLL | None:
     lib = native_build.load(SOURCE, SWITCH_ENV, {
         "prompt_tiles_ready": ([], ctypes.c_int),
         "prompt_attention": ([pointer, i64, i64, i64, pointer, pointer, i64, pointer, i64, i64, i64, i64,
-                              ctypes.c_float, ctypes.c_int], ctypes.c_int)})
+                              ctypes.c_float, ctypes.c_int], ctypes.c_int),
+        "prompts_attention": ([i64, pointer, pointer, i64, pointer, i64, pointer, i64, i64, i64, i64, ctypes.c_float,
+                               ctypes.c_int], ctypes.c_int)})
     return lib if lib is not None and lib.prompt_tiles_ready() else None
 
 
@@ -72,4 +79,28 @@ def prompt_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                                   dim, scale, torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"no memory for the attention of {tokens} tokens over {positions} positions")
+    return out
+
+
+def prompts_attention(table: torch.Tensor, rotated: torch.Tensor, values: torch.Tensor, tokens: int,
+                      scale: float) -> torch.Tensor:
+    """One layer's attention of several prompts fed in one forward, in one call: `table` [prompts, PROMPT_FIELDS]
+    (int64) says where each prompt's rows of `rotated` [rows, heads + kv_heads, head_dim] (queries, then rotated
+    keys) and of `values` [rows, kv_heads, head_dim] are, which cache of its own they are written into (after its
+    cached positions) and where its output rows go; the output [tokens, heads * head_dim], the prompts' rows in the
+    table's order. Each prompt as `prompt_attention` would compute it (`attends` must hold for each)."""
+    lib = library()
+    kv_heads, dim = values.shape[1:]
+    heads = rotated.shape[1] - kv_heads
+    if lib is None or rotated.stride()[1:] != (dim, 1) or values.stride()[1:] != (dim, 1) \
+            or table.dtype != torch.int64 or not table.is_contiguous() or table.shape[1] != PROMPT_FIELDS:
+        raise ValueError(f"rotated {tuple(rotated.stride())}, values {tuple(values.stride())} strided, table "
+                         f"{tuple(table.shape)} {table.dtype}: contiguous heads, an int64 row of {PROMPT_FIELDS} a "
+                         "prompt, and the kernel built")
+    out = torch.empty((tokens, heads * dim), dtype=rotated.dtype)
+    status = lib.prompts_attention(table.shape[0], table.data_ptr(), rotated.data_ptr(), rotated.stride(0),
+                                   values.data_ptr(), values.stride(0), out.data_ptr(), heads * dim, heads, kv_heads,
+                                   dim, scale, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"no memory for the attention of {tokens} prompt tokens")
     return out
