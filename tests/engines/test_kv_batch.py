@@ -169,25 +169,3 @@ def test_a_rows_kv_is_copied_from_after_its_padding() -> None:
                             for layer in layers])
         assert torch.equal(got, want) and got.is_contiguous() and got.untyped_storage().nbytes() == got.nbytes
     assert torch.equal(kv(0, 2)[:, :, :, 1:], first[:, :, :, :1])  # an earlier start gathers again
-
-
-def test_prompt_caches_held_in_one_tensor_merge_and_grow_as_per_layer_caches_do() -> None:
-    """Prompt caches holding every layer in one tensor (`hold`, as the prompt attention writes them) merge, grow and
-    give their rows' keys and values as caches of one tensor a layer do; the batch's room is then one tensor for
-    every layer (`kv` views it)."""
-    plain = [_filled(1, length, seed=20 + length) for length in (5, 3, 7)]
-    held = []
-    for cache in plain:
-        kv = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.cache.layers])
-        one = BatchCache(new_cache(CONFIG), cache.mask.clone())
-        one.hold(kv.clone())
-        held.append(one)
-    plain[0].merge(*plain[1:])
-    held[0].merge(*held[1:])
-    _stepped(held[0], plain[0], steps=9, seed=40)
-    room = held[0].kv()
-    assert room is not None and room.shape == (CONFIG.num_hidden_layers, 2, 3, 2, 7 + 9, 8)
-    for index, layer in enumerate(plain[0].cache.layers):
-        assert torch.equal(room[index, 0], layer.keys) and torch.equal(room[index, 1], layer.values)
-    assert torch.equal(held[0].mask, plain[0].mask)
-    assert torch.equal(held[0].row_kv(1)(0, 8), plain[0].row_kv(1)(0, 8))

@@ -14,9 +14,7 @@ transformers' cache appends by concatenating, which copies a layer's whole cache
 SmolLM2 tokens are 368 MB copied per step (a third of the step). `append` (the fast decode step's) writes into room
 reserved behind the cached positions instead (an eighth of the length more, at least `MIN_ROOM`: `kv_budget.grown`),
 so a position is copied a few times over a generation rather than once per step; a layer whose tensors were replaced
-since (a prefill through transformers) is moved into new room once. The room is one tensor for every layer [layers,
-2, rows, kv_heads, capacity, head_dim] (`kv`), as is a prompt's cache written by the prompt attention (`hold`): a
-prompt's cache joins, a row moves and the room grows in one copy each, not one a layer. Attention reads the whole room, whose
+since (a merge, a prefill through transformers) is moved into new room once. Attention reads the whole room, whose
 unused positions are zeros: a view of only the cached positions would be copied by every matmul (its rows are not
 evenly spaced), which costs what concatenating did. Decode steps of the fast step, this against concatenating (one
 process, alternating): 16 rows of 1,000 tokens 1.30x (bf16), 16 rows of 100 1.02x, one row of 40 0.97-1.0x (Q8_0).
@@ -49,6 +47,17 @@ def new_cache(config: object) -> DynamicCache:
     if plain_attention(config):
         return DynamicCache()  # layers added as the forward fills them, each a `DynamicLayer`
     return DynamicCache(config=config)  # type: ignore[arg-type]
+
+
+def hold(cache: DynamicCache, kv: torch.Tensor) -> None:
+    """Make one row's `cache` hold `kv` [layers, 2, kv_heads, positions, head_dim]: each layer's keys and values are
+    views of it (written in place by the prompt attention), as `update` would have left them by concatenating."""
+    layers: list[Any] = cache.layers
+    while len(layers) < kv.shape[0]:
+        layers.append(DynamicLayer())
+    for layer, (keys, values) in zip(layers, kv, strict=True):
+        layer.keys, layer.values = keys[None], values[None]
+        layer.device, layer.is_initialized = keys.device, True
 
 
 def plain_attention(config: object) -> bool:
@@ -85,10 +94,7 @@ class RowKV:
 
     def __call__(self, start: int, end: int) -> torch.Tensor:
         if self.gathered is None or start < self.first:
-            begin, kv = self.padding + start, self.cache.kv()
-            if kv is not None:  # a view: each ask copies its part
-                self.first, self.gathered = start, kv[:, :, self.row, :, begin:]
-                return self.gathered[:, :, :, start - self.first: end - self.first].clone()
+            begin = self.padding + start
             parts = [part for layer in _layers(self.cache.cache)
                      for part in (layer.keys[self.row, :, begin:], layer.values[self.row, :, begin:])]
             self.first, self.gathered = start, torch.stack(parts).unflatten(0, (-1, 2))
@@ -119,7 +125,6 @@ class BatchCache:
         self.cache = cache
         self.mask = mask  # [rows, length]: 1 for a real token, 0 for left padding
         self._room: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by layer: reserved keys and values
-        self._whole: torch.Tensor | None = None  # every layer's room [layers, 2, rows, kv_heads, capacity, head_dim]
         self.max_positions: int | None = None  # most positions per row room may take (the KV budget's; None: any)
 
     @property
@@ -137,16 +142,6 @@ class BatchCache:
         layers = _layers(self.cache)
         return room is not None and bool(layers) and room[0].data_ptr() == layers[0].keys.data_ptr() \
             and room[0].shape[2] > self.length
-
-    def hold(self, kv: torch.Tensor) -> None:
-        """Make this one-row cache hold `kv` [layers, 2, kv_heads, positions, head_dim] (written in place by the
-        prompt attention) as its room: every layer's keys and values views of it, as concatenating would leave them."""
-        layers: list[Any] = self.cache.layers
-        while len(layers) < kv.shape[0]:
-            layers.append(DynamicLayer())
-        for layer in layers:
-            layer.device, layer.is_initialized = kv.device, True
-        self._use_room(kv[:, :, None], 1, kv.shape[3])
 
     def row_kv(self, row: int) -> RowKV:
         """Row `row`'s keys and values, copied by spans of its real tokens (`RowKV`)."""
@@ -183,10 +178,9 @@ class BatchCache:
         rows, length = layer.keys.shape[0], layer.keys.shape[2]
         room = self._room.get(index)
         if room is None or room[0].shape[2] <= length or not _holds_layer(room, layer):
-            if index:  # every layer moves into new room at the first layer's, all of one length then
-                raise RuntimeError(f"layer {index} of the batch cache needs new room where layer 0 did not")
-            self._new_room(rows, length, grown(length, self.max_positions))
-            room = self._room[index]
+            capacity = grown(length, self.max_positions)
+            room = self._room[index] = (_reserved(layer.keys, length, capacity),
+                                        _reserved(layer.values, length, capacity))
         return room[0][:rows], room[1][:rows]  # rows left by `keep` stay free for the next `merge`
 
     def appended(self, index: int) -> None:
@@ -203,11 +197,6 @@ class BatchCache:
             return  # nothing to append (a prompt prefilled alone), or written into the room
         caches = [self, *others]
         length = max(cache.length for cache in caches)
-        mask = _stacked([cache.mask for cache in caches], length)
-        if all(cache._plain() for cache in caches):  # one new room of every layer, exactly as long
-            self._use_room(_filled_room(caches, length, length), mask.shape[0], length)
-            self.mask = mask
-            return
         for layers in zip(*(_any_layers(cache.cache) for cache in caches), strict=True):
             mine = layers[0]
             if _holds_kv(mine):
@@ -218,8 +207,8 @@ class BatchCache:
                     parts = [part for their_states in states if (part := their_states[index]) is not None]
                     if len(parts) == len(states):
                         states[0][index] = torch.cat(parts, dim=0)
-        self.mask = mask
-        self._drop_room()  # the layers hold new tensors: the old room is let go now, not at the next append
+        self.mask = _stacked([cache.mask for cache in caches], length)
+        self._room.clear()  # the layers hold new tensors: the old room is let go now, not at the next append
 
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (in that order). In room (`compacted_rows`' order, most rows kept, little shared
@@ -239,71 +228,51 @@ class BatchCache:
                 for state_index, state in states.items():
                     if state is not None:
                         states[state_index] = state.index_select(0, index)
-        self._drop_room()
-
-    def _plain(self) -> bool:
-        """Every layer plain attention holding keys and values (no recurrent states)."""
-        layers = _any_layers(self.cache)
-        return bool(layers) and all(_holds_kv(layer) and not _states(layer) for layer in layers)
-
-    def _room_whole(self) -> torch.Tensor | None:
-        """The room of every layer [layers, 2, room rows, kv_heads, capacity, head_dim], when every layer is plain
-        attention holding its keys and values in it."""
-        layers, whole = _any_layers(self.cache), self._whole
-        if whole is None or len(layers) != whole.shape[0] or not self._plain() or not all(
-                _holds_layer(room, layer) for room, layer in zip(self._room.values(), layers, strict=True)):
-            return None
-        return whole
-
-    def kv(self) -> torch.Tensor | None:
-        """Every layer's keys and values [layers, 2, rows, kv_heads, length, head_dim], a view of the room, or None
-        when its layers are not held in one (then each layer is its own tensor)."""
-        whole = self._room_whole()
-        if whole is None:
-            return None
-        rows, _, length, _ = _layers(self.cache)[0].keys.shape
-        return whole[:, :, :rows, :, :length]
-
-    def _new_room(self, rows: int, length: int, capacity: int) -> None:
-        """Every layer's keys and values moved into one new room of `capacity` positions (the fast step's models:
-        layers of one shape), zeros past the cached ones."""
-        self._use_room(_filled_room([self], length, capacity), rows, length)
-
-    def _use_room(self, whole: torch.Tensor, rows: int, length: int) -> None:
-        self._whole = whole
-        self._room = {index: (whole[index, 0], whole[index, 1]) for index in range(whole.shape[0])}
-        self._view_rooms(list(self._room.values()), rows, length)
-
-    def _drop_room(self) -> None:
         self._room.clear()
-        self._whole = None
+
+    def _rooms(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Every layer's room, when every layer is plain attention and holds its keys and values in its room."""
+        layers = _any_layers(self.cache)
+        rooms = [self._room.get(index) for index in range(len(layers))]
+        if not layers or not all(_holds_kv(layer) and not _states(layer) and room is not None
+                                 and _holds_layer(room, layer) for layer, room in zip(layers, rooms, strict=True)):
+            return None
+        return cast(list[tuple[torch.Tensor, torch.Tensor]], rooms)
 
     def _keep_in_room(self, rows: list[int]) -> bool:
-        whole = self._room_whole()
+        rooms = self._rooms()
         moves = [(place, row) for place, row in enumerate(rows) if row != place]
-        if whole is None or not rows or len(set(rows)) != len(rows) or any(row < len(rows) for _, row in moves):
+        if rooms is None or not rows or len(set(rows)) != len(rows) or any(row < len(rows) for _, row in moves):
             return False  # a row moved from below the kept ones would overwrite a row still to be read
         mask = self.mask[rows]
-        if 2 * len(rows) < whole.shape[2] or _shared_padding(mask) * 4 > max(self.length, 4 * MIN_ROOM):
+        if 2 * len(rows) < rooms[0][0].shape[0] or _shared_padding(mask) * 4 > max(self.length, 4 * MIN_ROOM):
             return False  # most of the room is free, or much padding is shared: gathering anew gives it back
-        for place, row in moves:
-            whole[:, :, place].copy_(whole[:, :, row])
-        self._view_rooms(list(self._room.values()), len(rows), self.length)
+        for keys, values in rooms:
+            for place, row in moves:
+                keys[place].copy_(keys[row])
+                values[place].copy_(values[row])
+        self._view_rooms(rooms, len(rows), self.length)
         self.mask = mask
         return True
 
     def _merge_in_room(self, others: tuple[BatchCache, ...]) -> bool:
-        whole, rows, length = self._room_whole(), self.rows, self.length
+        rooms, rows, length = self._rooms(), self.rows, self.length
+        theirs = [_any_layers(other.cache) for other in others]
         end = rows + sum(other.rows for other in others)
-        if whole is None or end > whole.shape[2] or any(other.length > length for other in others) \
-                or not all(other._plain() and len(_any_layers(other.cache)) == whole.shape[0] for other in others):
+        if rooms is None or end > rooms[0][0].shape[0] or any(other.length > length for other in others) \
+                or any(len(layers) != len(rooms) or not all(_holds_kv(layer) for layer in layers)
+                       for layers in theirs):
             return False
-        whole[:, :, rows:end].zero_()
-        row = rows
-        for other in others:
-            _copy_rows(whole, row, length - other.length, other)
-            row += other.rows
-        self._view_rooms(list(self._room.values()), end, length)
+        for index, (keys, values) in enumerate(rooms):
+            keys[rows:end].zero_()
+            values[rows:end].zero_()
+            row = rows
+            for other, layers in zip(others, theirs, strict=True):
+                start, below = length - other.length, row + other.rows
+                keys[row:below, :, start:length].copy_(layers[index].keys)
+                values[row:below, :, start:length].copy_(layers[index].values)
+                row = below
+        self._view_rooms(rooms, end, length)
         self.mask = torch.cat([self.mask, *(_pad_left(other.mask, length) for other in others)], dim=0)
         return True
 
@@ -311,35 +280,6 @@ class BatchCache:
         """Every layer's keys and values: the first `rows` rows and `length` positions of its room."""
         for layer, (keys, values) in zip(_layers(self.cache), rooms, strict=True):
             layer.keys, layer.values = keys[:rows, :, :length], values[:rows, :, :length]
-
-
-def _filled_room(caches: list[BatchCache], length: int, capacity: int) -> torch.Tensor:
-    """One room of every layer [layers, 2, rows, kv_heads, capacity, head_dim] holding the rows of `caches` (plain
-    attention, layers of one shape) one after another, each left-padded to `length`, zeros elsewhere."""
-    keys = _layers(caches[0].cache)[0].keys
-    layers, rows = len(_layers(caches[0].cache)), sum(cache.rows for cache in caches)
-    whole = keys.new_empty((layers, 2, rows, keys.shape[1], capacity, keys.shape[3]))
-    whole[..., length:, :].zero_()
-    row = 0
-    for cache in caches:
-        start = length - _layers(cache.cache)[0].keys.shape[2]
-        whole[:, :, row: row + cache.rows, :, :start].zero_()
-        _copy_rows(whole, row, start, cache)
-        row += cache.rows
-    return whole
-
-
-def _copy_rows(whole: torch.Tensor, row: int, start: int, cache: BatchCache) -> None:
-    """`cache`'s rows into rows `row` on of the room `whole`, its positions from `start`: one copy when its layers
-    are held in one room, else one a layer."""
-    kv = cache.kv()
-    if kv is not None:
-        whole[:, :, row: row + kv.shape[2], :, start: start + kv.shape[4]].copy_(kv)
-        return
-    for index, layer in enumerate(_layers(cache.cache)):
-        rows, _, length, _ = layer.keys.shape
-        whole[index, 0, row: row + rows, :, start: start + length].copy_(layer.keys)
-        whole[index, 1, row: row + rows, :, start: start + length].copy_(layer.values)
 
 
 def compacted_rows(done: list[bool]) -> list[int]:
@@ -391,6 +331,16 @@ def _layers(cache: DynamicCache) -> list[_FilledLayer]:
 class _FilledLayer(Protocol):
     keys: torch.Tensor
     values: torch.Tensor
+
+
+def _reserved(cached: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
+    """A tensor holding `cached`'s first `length` positions with room for more behind them."""
+    shape = list(cached.shape)
+    shape[2] = capacity
+    room = cached.new_empty(shape)
+    room[:, :, :length] = cached
+    room[:, :, length:].zero_()  # attention reads the room past the cached positions: zeros, never stale values
+    return room
 
 
 def _stacked(tensors: list[torch.Tensor], length: int) -> torch.Tensor:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from rayrunner.engines.transformers.kv.kv_batch import BatchCache, layer_windows, mergeable
+from rayrunner.engines.transformers.kv.kv_batch import BatchCache, hold, layer_windows, mergeable
 from rayrunner.engines.transformers.step import decode_attention, fused_ops, prompt_attention
 from rayrunner.engines.transformers.step.decode_layers import LayerDriver
 from rayrunner.quantization.cpu_gemm import amx_tiles, wide_dtype
@@ -258,7 +258,7 @@ class PromptChunk:
 
     def grew(self) -> None:
         if self.kv is not None:
-            self.cache.hold(self.kv)
+            hold(self.cache.cache, self.kv)
             self.kv = None
         self.cache.grew(self.mask)
 
