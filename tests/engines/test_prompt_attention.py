@@ -168,10 +168,10 @@ def test_the_kernel_is_on_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -
 @torch.inference_mode()
 def test_prompts_attended_together_hold_what_each_alone_holds_to_the_bit(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three prompts fed in one forward (one whole, two after cached tokens, one of them beside nothing cached long
-    enough to need a second block of scores) attend in one call a layer, their keys and values written into a cache
-    tensor of their own: the logits and every layer's cached keys and values are those of each prompt attending on
-    its own (`PromptChunk.attend`, through the cache's `update`)."""
+    """Three prompts fed in one forward (one whole, two after cached tokens, the longest over several blocks of 16
+    tokens) attend in one call a layer, their keys and values written into a cache tensor of their own: the logits
+    and every layer's cached keys and values are those of each prompt attending on its own (`PromptChunk.attend`,
+    through the cache's `update`)."""
     model = _model(build_kernel_llama(tmp_path, seed=2), torch.bfloat16)
     fast = FastDecode.for_model(model)
     assert fast is not None

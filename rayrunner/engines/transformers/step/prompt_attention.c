@@ -249,7 +249,7 @@ enum { ROW, TOKENS, START, KEYS, VALUES, HEAD_STRIDE, CACHED_KEYS, CACHED_VALUES
    `dim` each), `new_values` their value heads (a row every `values_row_stride`). Prompt p is `prompts[p * 10 ...]`:
    its tokens' first row, its tokens, its cached positions before them (`start`), its cache's keys and values (a
    head every head_stride, room for start + tokens positions), where its cached positions are now (keys, values,
-   their head stride; 0 when none or already there) and its output's first row in `out`. Each prompt's cached and
+   their head stride; 0 when it has none) and its output's first row in `out`. Each prompt's cached and
    new keys and values are written into its cache first, then attended as `prompt_attention` does. Returns 0, or
    the first prompt's failure. */
 int prompts_attention(int64_t count, const int64_t *prompts, const uint16_t *rotated, int64_t rotated_row_stride,
@@ -259,7 +259,7 @@ int prompts_attention(int64_t count, const int64_t *prompts, const uint16_t *rot
         const int64_t *prompt = prompts + p * PROMPT_FIELDS;
         int64_t row = prompt[ROW], tokens = prompt[TOKENS], start = prompt[START], stride = prompt[HEAD_STRIDE];
         uint16_t *keys = (uint16_t *)(intptr_t)prompt[KEYS], *values = (uint16_t *)(intptr_t)prompt[VALUES];
-        if (prompt[CACHED_KEYS] && prompt[CACHED_KEYS] != prompt[KEYS]) {
+        if (prompt[CACHED_KEYS]) {
             copy_positions((const uint16_t *)(intptr_t)prompt[CACHED_KEYS], dim, prompt[CACHED_HEAD_STRIDE], start,
                            keys, stride, 0, kv_heads, dim);
             copy_positions((const uint16_t *)(intptr_t)prompt[CACHED_VALUES], dim, prompt[CACHED_HEAD_STRIDE],
